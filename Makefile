@@ -1,0 +1,33 @@
+# Set-up and the two everyday jobs. `make demo` and `make test` work on a fresh machine.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo demo-quick test test-fast lint bench clean
+
+$(BIN)/specdec: pyproject.toml
+	bash scripts/setup.sh $(VENV)
+	@touch $@
+
+setup: $(BIN)/specdec
+
+demo: setup
+	$(BIN)/specdec demo
+
+demo-quick: setup
+	$(BIN)/specdec demo --quick
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow"
+
+lint: setup
+	$(BIN)/ruff check .
+
+bench: setup
+	$(BIN)/python bench/decode.py
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache

