@@ -167,7 +167,8 @@ def split_cli(argv: list[str], cls: type | None = None) -> tuple[str | None, lis
         if arg.startswith("--"):
             name = arg[2:]
             if "=" in name:
-                overrides.append(name.replace("-", "_", name.index("=")))
+                key, _, value = name.partition("=")  # hyphens in the key only: values may be paths
+                overrides.append(f"{key.replace('-', '_')}={value}")
                 i += 1
                 continue
             key = name.replace("-", "_")

@@ -128,6 +128,7 @@ class _Batch:
         self.eos = torch.tensor(list(eos), dtype=torch.long, device=device)
         self.finished = torch.zeros(batch, dtype=torch.bool, device=device)
         self.live_appended = torch.zeros((), dtype=torch.long, device=device)
+        self.ends = torch.full((batch,), capacity, dtype=torch.long, device=device)  # length at each row's EOS
 
     def model_inputs(self, start: int, stop: int) -> dict:
         """Positions and attention mask for feeding seq[:, start:stop] after a cache of length `start`."""
@@ -143,7 +144,10 @@ class _Batch:
             is_eos = torch.isin(new, self.eos)
             after_eos = (is_eos.long().cumsum(dim=1) - is_eos.long()) > 0
             new = new.masked_fill(after_eos | self.finished_before[:, None], self.pad_token_id)
-            self.finished |= is_eos.any(dim=1)
+            first_eos = is_eos.long().argmax(dim=1)  # [B]
+            newly = is_eos.any(dim=1) & ~self.finished_before
+            self.ends = torch.where(newly, self.length + first_eos + 1, self.ends)
+            self.finished |= newly
         else:
             after_eos = torch.zeros_like(new, dtype=torch.bool)
         # Real tokens appended (not padding after an EOS): an on-device count, read once at the end.
@@ -152,6 +156,13 @@ class _Batch:
         self.seq[:, self.length : self.length + m] = new
         self.length += m
         return m
+
+    def sequences(self) -> torch.Tensor:
+        """The generated batch, cut after the last row's EOS (a round may have appended past it).  [B, S]"""
+        width = self.length
+        if self.eos.numel() and bool(self.finished.all()):
+            width = min(width, int(self.ends.max()))
+        return self.seq[:, :width]
 
     def done(self) -> bool:
         return self.length >= self.max_length or (self.eos.numel() > 0 and bool(self.finished.all()))
@@ -276,7 +287,7 @@ def target_generate(
     stats.target_forwards += 1
     clock.mark(batch.append(next_token(logits, sampling, generator)[:, None]))
     _target_steps(target, cache, batch, sampling, generator, stats, clock, kwarg)
-    return GenerateOutput(batch.seq[:, : batch.length], stats, batch.prompt_length, timings=clock.marks)
+    return GenerateOutput(batch.sequences(), stats, batch.prompt_length, timings=clock.marks)
 
 
 class _Draft:
@@ -393,7 +404,7 @@ def speculative_generate(
             rounds.append(RoundTrace(drafted, verdict.num_accepted, verdict.next_token, appended))
 
     stats.emitted = int(batch.live_appended - first_tokens)
-    return GenerateOutput(batch.seq[:, : batch.length], stats, batch.prompt_length, rounds, clock.marks)
+    return GenerateOutput(batch.sequences(), stats, batch.prompt_length, rounds, clock.marks)
 
 
 def _count_round(stats: DecodeStats, n_active: list[int], k: int) -> None:
@@ -416,4 +427,4 @@ def _fall_back(err, target, t_cache, batch, sampling, generator, stats, clock, k
     _rollback(t_cache, batch.length - 1)
     batch.seq[:, batch.length :] = batch.pad_token_id  # clear any proposals written past the end
     _target_steps(target, t_cache, batch, sampling, generator, stats, clock, kwarg)
-    return GenerateOutput(batch.seq[:, : batch.length], stats, batch.prompt_length, rounds, clock.marks)
+    return GenerateOutput(batch.sequences(), stats, batch.prompt_length, rounds, clock.marks)

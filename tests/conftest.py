@@ -47,3 +47,100 @@ def ragged_prompts(batch: int, vocab: int, seed: int, min_len: int = 3, max_len:
         ids[row, width - n:] = torch.randint(3, vocab, (n,), generator=g)
         mask[row, width - n:] = 1
     return ids, mask
+
+
+# --- tiny tokenizer (data helper) -------------------------------------------------------------------------
+_TINY_WORDS = (
+    "the a an of to and is in it that for on with as are be this was by at or from what how why when where "
+    "which who explain write describe list give make tell find show help plan short long story poem code "
+    "python function number numbers sum add two three four five ten day week year time people city water "
+    "food book list email letter summary simple clear step steps first then next last good bad new old "
+    "small big fast slow question answer word words sentence please can you i we they my your our"
+).split()
+TINY_SPECIALS = ["<pad>", "<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} </s> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def tiny_tokenizer(chat_template: bool = True):
+    """A word-level tokenizer over a 128-entry vocabulary (pad 0, bos 1, eos 2, unk 3), matching tiny_llama."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = TINY_SPECIALS + [w for w in dict.fromkeys(_TINY_WORDS) if w not in TINY_SPECIALS]
+    words += [f"w{i}" for i in range(128 - len(words))]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece()
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                  pad_token="<pad>")
+    if chat_template:
+        out.chat_template = TINY_CHAT_TEMPLATE
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_tok():
+    return tiny_tokenizer()
+
+
+# --- generated distillation data (trainer helper) ---------------------------------------------------------
+def write_generated_data(folder, target, n_prompts: int, seed: int, completion: int = 8, topn: int = 4,
+                         vocab: int = 128) -> None:
+    """A `specdec data`-shaped folder (manifest.json + shards/*.parquet): `target`'s greedy completions of
+    random prompts, with its top-`topn` log-probs at each completion position."""
+    import json
+    from pathlib import Path
+
+    from datasets import Dataset
+
+    folder = Path(folder)
+    g = torch.Generator().manual_seed(seed)
+    keys = ("prompt_id", "category", "sample_index", "turn", "input_ids", "prompt_length", "top_ids", "top_logprobs")
+    rows = {k: [] for k in keys}
+    with torch.no_grad():
+        for i in range(n_prompts):
+            ids = torch.randint(7, vocab, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
+            prompt_length, tops, lps = len(ids), [], []
+            for _ in range(completion):
+                logp = target(torch.tensor([ids])).logits[0, -1].float().log_softmax(-1)
+                top = logp.topk(topn)
+                tops.append(top.indices.tolist())
+                lps.append(top.values.tolist())
+                ids.append(int(top.indices[0]))
+            values = (f"p{seed}-{i}", "test", 0, 0, ids, prompt_length, tops, lps)
+            for key, value in zip(keys, values):
+                rows[key].append(value)
+    (folder / "shards").mkdir(parents=True)
+    Dataset.from_dict(rows).to_parquet(str(folder / "shards" / "shard-00000.parquet"))
+    manifest = {"format": "specdec-data/1", "complete": True, "num_shards": 1,
+                "shards": [{"index": 0, "file": "shards/shard-00000.parquet", "examples": n_prompts}]}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+# --- tiny saved checkpoints and a prompt file (eval helper) -----------------------------------------------
+TINY_EVAL_PROMPTS = [
+    {"question_id": 1, "category": "writing", "turns": ["write a short story about the city", "make it long"]},
+    {"question_id": 2, "category": "writing", "turns": ["write a poem for my day"]},
+    {"question_id": 3, "category": "math", "turns": ["what is the sum of two and three numbers"]},
+    {"question_id": 4, "category": "math", "turns": ["explain how to add ten numbers step by step please"]},
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory):
+    """Saved tiny target and draft checkpoints (float64, the tiny tokenizer) and a Spec-Bench prompt file:
+    {"target": path, "draft": path, "prompts": path}."""
+    import json
+
+    from specdec.models import save_model
+
+    root = tmp_path_factory.mktemp("tiny_ckpt")
+    tok = tiny_tokenizer()
+    paths = {"target": root / "target", "draft": root / "draft", "prompts": root / "prompts.jsonl"}
+    save_model(tiny_llama(seed=0), tok, paths["target"])
+    save_model(tiny_llama(seed=1, layers=1), tok, paths["draft"])
+    paths["prompts"].write_text("".join(json.dumps(r) + "\n" for r in TINY_EVAL_PROMPTS))
+    return {k: str(v) for k, v in paths.items()}

@@ -1,0 +1,83 @@
+"""The report's figures (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from eval import metrics
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def per_position_acceptance(rows: list[dict], path: Path) -> None:
+    """Bars of P(draft token i accepted | tokens < i accepted), one group per k (batch size of the best row)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    width = 0.8 / max(1, len(rows))
+    for j, r in enumerate(rows):
+        acc = r["speculative"]["per_position_acceptance"]
+        xs = [i + 1 + (j - (len(rows) - 1) / 2) * width for i in range(len(acc))]
+        ax.bar(xs, acc, width=width, label=f"k={r['num_draft_tokens']}")
+    ax.set_xlabel("draft position i")
+    ax.set_ylabel("P(accept i | accepted < i)")
+    ax.set_ylim(0, 1)
+    ax.set_title("Per-position acceptance")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def latency_cdf(best: dict, path: Path) -> None:
+    """Empirical CDFs of request latency, target-only vs speculative."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for mode, label in (("baseline", "target-only"), ("speculative", f"speculative (k={best['num_draft_tokens']})")):
+        xs, ys = metrics.cdf(best[mode]["latencies"])
+        ax.step(xs, ys, where="post", label=label)
+    ax.set_xlabel("request latency (s)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(f"Latency CDF (batch size {best['batch_size']})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def speedup_vs_k(rows: list[dict], path: Path) -> None:
+    """Measured and analytical speedup against k, one line pair per batch size."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for b in sorted({r["batch_size"] for r in rows}):
+        sel = sorted((r for r in rows if r["batch_size"] == b), key=lambda r: r["num_draft_tokens"])
+        ks = [r["num_draft_tokens"] for r in sel]
+        line = ax.plot(ks, [r["speedup"] for r in sel], marker="o", label=f"measured, batch {b}")[0]
+        ax.plot(ks, [r["analytical_speedup"] for r in sel], marker="x", linestyle="--", color=line.get_color(),
+                label=f"analytical, batch {b}")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xlabel("k (draft tokens per round)")
+    ax.set_ylabel("speedup over target-only")
+    ax.set_title("Speedup vs k")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def make_all(result: dict, rows: list[dict], best: dict, out_dir: Path, fmt: str = "png") -> dict[str, str]:
+    """Write the three figures into out_dir; returns {name: file name}."""
+    same_batch = [r for r in rows if r["batch_size"] == best["batch_size"]]
+    files = {"per_position_acceptance": f"per_position_acceptance.{fmt}", "latency_cdf": f"latency_cdf.{fmt}",
+             "speedup_vs_k": f"speedup_vs_k.{fmt}"}
+    per_position_acceptance(same_batch, out_dir / files["per_position_acceptance"])
+    latency_cdf(best, out_dir / files["latency_cdf"])
+    speedup_vs_k(rows, out_dir / files["speedup_vs_k"])
+    return files

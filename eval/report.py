@@ -1,0 +1,161 @@
+"""report.json and report.md: the same figures, for machines and for people."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+FORMULA = (
+    "Analytical speedup (Leviathan et al. 2022, with per-position acceptance and a measured verify cost):\n\n"
+    "    tau_hat = 1 + sum_{i=1..k} prod_{j<=i} a_j        (expected tokens per round)\n"
+    "    speedup = tau_hat / (k * c + v)\n\n"
+    "a_j = measured per-position acceptance, c = draft step / target step and v = target forward of k+1 tokens / "
+    "target step, both from cached forwards timed in this run. With a_j = alpha and v = 1 this is the paper's "
+    "(1 - alpha^(k+1)) / ((1 - alpha)(k c + 1))."
+)
+
+
+def _f(x, digits: int = 3) -> str:
+    if x is None:
+        return "n/a"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}"
+    return str(x)
+
+
+def _ms(x) -> str:
+    return "n/a" if x is None else f"{1e3 * x:.1f}"
+
+
+def to_markdown(r: dict) -> str:
+    """report.md: verdict first, then the figures, the equivalence, the sweep, categories, method and plots."""
+    cfg, env, b, s = r["config"], r["environment"], r["baseline"], r["speculative"]
+    d, eq = r["decision"], r["equivalence"]
+    lines = [
+        "# Speculative decoding report",
+        "",
+        f"**Verdict: `{d['verdict']}`** — speedup **{r['speedup']:.2f}x** (analytical {r['analytical_speedup']:.2f}x), "
+        f"acceptance rate **{s['acceptance_rate']:.3f}**, equivalence **{_eq_word(eq)}**.",
+        "",
+        f"Target `{cfg['target']}`, draft `{cfg['draft']}`; k = {cfg['num_draft_tokens']}, batch size "
+        f"{cfg['batch_size']} (recommended by {cfg['recommend_by']}); {cfg['num_prompts']} prompts from "
+        f"`{cfg['prompts']}`, max_new_tokens {cfg['max_new_tokens']}, temperature {cfg['temperature']}, top_k "
+        f"{cfg['top_k']}, top_p {cfg['top_p']}, seed {cfg['seed']}, {cfg['warmup']} warm-up pass(es) excluded.",
+        "",
+        "## Decision",
+        "",
+        "Thresholds were fixed in the config before the run; all must hold for `enable`.",
+        "",
+        *[f"- {reason}" for reason in d["reasons"]],
+        "",
+        "## Results",
+        "",
+        "| metric | target-only | speculative |",
+        "|---|---:|---:|",
+        f"| tokens/s | {b['tokens_per_s']:.2f} | {s['tokens_per_s']:.2f} |",
+        *[f"| latency {p} (ms) | {_ms(b['latency_s'][p])} | {_ms(s['latency_s'][p])} |" for p in ("p50", "p95", "p99")],
+        *[f"| TTFT {p} (ms) | {_ms(b['ttft_s'][p])} | {_ms(s['ttft_s'][p])} |" for p in ("p50", "p95")],
+        *[f"| ITL {p} (ms) | {_ms(b['itl_s'][p])} | {_ms(s['itl_s'][p])} |" for p in ("p50", "p95")],
+        f"| peak memory (MB) | {b['peak_memory_mb']:.1f} | {s['peak_memory_mb']:.1f} |",
+        f"| generated tokens | {b['tokens']} | {s['tokens']} |",
+        f"| decoder time (s) | {b['seconds']:.2f} | {s['seconds']:.2f} |",
+        "",
+        "Speculative counters: "
+        f"acceptance rate {s['acceptance_rate']:.3f} (accepted / proposed draft tokens), "
+        f"mean accepted tokens (tau) {s['mean_accepted_tokens']:.3f} per round (correction or bonus included), "
+        f"{s['rounds']} rounds, {s['proposed']} proposed, {s['accepted']} accepted, {s['corrections']} corrections, "
+        f"{s['bonus']} bonus tokens.",
+        "",
+        "Per-position acceptance P(i accepted | < i accepted): "
+        + ", ".join(f"{i + 1}: {a:.3f}" for i, a in enumerate(s["per_position_acceptance"])),
+        "",
+        f"Costs measured in this run: target step {r['cost']['target_step_ms']:.2f} ms, draft step "
+        f"{r['cost']['draft_step_ms']:.2f} ms, c = {r['cost']['c']:.3f}, v(k+1) = {r['cost']['v']:.3f}; "
+        f"expected tokens per round from the per-position acceptance {r['expected_tokens_per_round']:.3f}.",
+        "",
+        f"Memory: draft weights {r['memory']['draft_weights_mb']:.1f} MB, overhead over target-only "
+        f"{r['memory']['overhead_mb']:.1f} MB (peak difference plus the draft's weights).",
+        "",
+        f"Harness: {r['harness']['decoder_s']:.2f} s inside the decoders of {r['harness']['loop_s']:.2f} s of "
+        f"measurement loop ({100 * r['harness']['overhead_fraction']:.1f}% outside the decoders, untimed).",
+        "",
+        "## Equivalence",
+        "",
+    ]
+    lines += _equivalence_md(eq)
+    if r.get("sweep"):
+        lines += ["", "## Sweep", "",
+                  "| k | batch | speedup | analytical | tokens/s target-only | tokens/s speculative | acceptance | tau "
+                  "| c | v | equivalent | verdict |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+        for row in r["sweep"]:
+            mark = " **(recommended)**" if (row["num_draft_tokens"], row["batch_size"]) == (
+                cfg["num_draft_tokens"], cfg["batch_size"]) else ""
+            lines.append(
+                f"| {row['num_draft_tokens']}{mark} | {row['batch_size']} | {row['speedup']:.3f} | "
+                f"{row['analytical_speedup']:.3f} | {row['baseline_tokens_per_s']:.2f} | "
+                f"{row['speculative_tokens_per_s']:.2f} | {row['acceptance_rate']:.3f} | "
+                f"{row['mean_accepted_tokens']:.3f} | {row['c']:.3f} | {row['v']:.3f} | "
+                f"{_eq_word({'passed': row['equivalence_passed']})} | {row['verdict']} |")
+    if r.get("categories"):
+        lines += ["", "## By category", "",
+                  "| category | prompts | tokens/s target-only | tokens/s speculative | speedup | acceptance | tau |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for cat, c in r["categories"].items():
+            lines.append(f"| {cat} | {c['prompts']} | {c['baseline_tokens_per_s']:.2f} | "
+                         f"{c['speculative_tokens_per_s']:.2f} | {c['speedup']:.3f} | {c['acceptance_rate']:.3f} | "
+                         f"{c['mean_accepted_tokens']:.3f} |")
+        lines += ["", "For batch sizes above 1 a batch's time and counters are shared equally among its prompts."]
+    lines += [
+        "", "## Method", "",
+        "Both modes decode the same prompts with the same settings in one process; for each batch the order "
+        "(target-only first or speculative first) alternates. Timings are device-synchronised; only decoder calls "
+        "are timed. Latency is per request (a batch's requests all wait for the batch); TTFT is the time to the "
+        "first generated token; ITL spreads each step's time over the tokens it appended (a round that emits 3 "
+        "tokens counts 3 intervals of a third). Peak memory is CUDA peak allocated on GPUs and the process's peak "
+        "RSS on CPU. speedup = target-only wall time / speculative wall time.",
+        "", FORMULA, "",
+        "## Environment", "",
+        ", ".join(f"{k} {v}" for k, v in env.items()),
+    ]
+    if r.get("plots"):
+        lines += ["", "## Plots", ""]
+        titles = {"per_position_acceptance": "Per-position acceptance", "latency_cdf": "Latency CDF",
+                  "speedup_vs_k": "Speedup vs k (measured and analytical)"}
+        for name, file in r["plots"].items():
+            lines += [f"![{titles.get(name, name)}]({file})", ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _eq_word(eq: dict) -> str:
+    passed = eq.get("passed")
+    return "not checked" if passed is None else "passed" if passed else "FAILED"
+
+
+def _equivalence_md(eq: dict) -> list[str]:
+    if eq["mode"] == "greedy":
+        out = [f"Greedy: speculative tokens equal target-only tokens on {eq['checked'] - eq['mismatches']} of "
+               f"{eq['checked']} prompts ({_eq_word(eq)})."]
+        if eq.get("mismatched_prompts"):
+            out += ["", "| prompt | first differing position | target-only token | speculative token |",
+                    "|---|---:|---:|---:|"]
+            out += [f"| {m['prompt_id']} | {m['position']} | {_f(m['baseline_token'])} | {_f(m['speculative_token'])} |"
+                    for m in eq["mismatched_prompts"]]
+        return out
+    out = [f"Sampling: {eq['note']}", ""]
+    if eq.get("tests"):
+        out += ["| test | N | chi2 | dof | p | TV | TV max | ok |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+        out += [f"| {t['test']} | {t['samples']} | {t['chi2']:.1f} | {t['dof']} | {t['p_value']:.4f} | "
+                f"{t['tv']:.4f} | {t['tv_tolerance']:.4f} | {'pass' if t['passed'] else 'FAIL'} |" for t in eq["tests"]]
+    else:
+        out.append("The short check was skipped (equivalence_samples=0).")
+    return out
+
+
+def write(result: dict, out_dir: Path) -> None:
+    """Write report.json and report.md into out_dir."""
+    out_dir = Path(out_dir)
+    (out_dir / "report.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    (out_dir / "report.md").write_text(to_markdown(result))

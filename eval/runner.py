@@ -1,0 +1,554 @@
+"""`specdec eval`: baseline (target-only) vs speculative decoding on one fixed workload, in one process.
+
+The workload is fixed before the run: the prompt file, seed, max_new_tokens, sampling settings and batch
+sizes. For each batch size the prompts are cut into batches; each batch is decoded target-only and then
+speculatively with every k of the sweep, the order alternating from batch to batch (A/B), after `warmup`
+untimed passes over the first batch. Only the decoder calls are timed (device-synchronised, `timing=True`
+marks for TTFT and ITL); token counting, memory reads and bookkeeping happen outside the timed region.
+
+    specdec eval --target T --draft D --prompts FILE --num-draft-tokens 1,2,4 --max-new-tokens 64 \\
+                 --temperature 0 --out DIR
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from eval import decision as decision_mod
+from eval import equivalence, metrics, plots, report
+from eval.verify import _draft_tokenizer, check_pair, first_turn, resolve_prompts_path
+from specdec.decode import speculative_generate, target_generate
+from specdec.sampling import SamplingConfig
+
+log = logging.getLogger(__name__)
+
+RECOMMEND_BY = ("speedup", "tokens_per_s", "latency_p50", "latency_p95")
+PLOT_FORMATS = ("png", "svg", "pdf")
+
+
+@dataclass
+class EvalConfig:
+    """`specdec eval` settings (recipe section `eval:`). Lists sweep: one row per (k, batch size)."""
+
+    target: str = "embedded:smollm2-135m-instruct"
+    draft: str | None = None
+    prompts: str | None = None  # .jsonl/.json prompt file, or embedded:heldout
+    num_prompts: int | None = None  # the first N prompts (None: all)
+    use_chat_template: bool = True
+    num_draft_tokens: list[int] = field(default_factory=lambda: [4])
+    batch_size: list[int] = field(default_factory=lambda: [1])
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    warmup: int = 1  # untimed passes over the first batch, per batch size
+    out: str | None = None
+    output_dir: str | None = None  # recipe-wide; the report goes to output_dir/eval when `out` is not set
+    device: str = "auto"
+    dtype: str = "auto"
+    threads: int | None = None  # torch CPU threads (None: torch's default)
+    report_to: str = "none"  # none | wandb
+    run_name: str | None = None
+    # Decision thresholds, fixed before the run; all must hold for `enable`.
+    min_acceptance_rate: float = 0.5
+    min_speedup: float = 1.1
+    max_memory_overhead: float = 0.2  # memory overhead allowed beyond the draft's weights, as a fraction of them
+    recommend_by: str = "speedup"  # speedup | tokens_per_s | latency_p50 | latency_p95
+    plot_format: str = "png"
+    cost_repeats: int = 5  # cached forwards timed per model to measure the cost ratio c and verify cost v
+    equivalence_samples: int = 256  # sampling only: draws for the short distribution check (0: skip)
+
+    def __post_init__(self) -> None:
+        if not self.draft:
+            raise ValueError("eval needs a draft: pass --draft PATH_OR_HUB_ID (a checkpoint from `specdec train`)")
+        if not self.prompts:
+            raise ValueError("eval needs prompts: pass --prompts FILE.jsonl (or --prompts embedded:heldout)")
+        if not self.num_draft_tokens or min(self.num_draft_tokens) < 1:
+            raise ValueError(f"num_draft_tokens must be integers >= 1 (e.g. --num-draft-tokens 1,2,4), got {self.num_draft_tokens}")
+        if not self.batch_size or min(self.batch_size) < 1:
+            raise ValueError(f"batch_size must be integers >= 1 (e.g. --batch-size 1,4), got {self.batch_size}")
+        self.num_draft_tokens = sorted(set(self.num_draft_tokens))
+        self.batch_size = sorted(set(self.batch_size))
+        for name in ("max_new_tokens", "cost_repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup", "equivalence_samples"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.num_prompts is not None and self.num_prompts < 1:
+            raise ValueError(f"num_prompts must be >= 1 (or unset for all), got {self.num_prompts}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        self.sampling()  # temperature / top_k / top_p checks with their own messages
+        self.thresholds()
+        if self.recommend_by not in RECOMMEND_BY:
+            raise ValueError(f"unknown recommend_by metric {self.recommend_by!r}; use one of {', '.join(RECOMMEND_BY)}")
+        if self.plot_format not in PLOT_FORMATS:
+            raise ValueError(f"unknown plot_format {self.plot_format!r}; use one of {', '.join(PLOT_FORMATS)}")
+        if self.report_to not in ("none", "wandb"):
+            raise ValueError(f"unknown report_to {self.report_to!r}; use none or wandb")
+
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(self.temperature, self.top_k, self.top_p)
+
+    def thresholds(self) -> decision_mod.Thresholds:
+        return decision_mod.Thresholds(self.min_acceptance_rate, self.min_speedup, self.max_memory_overhead)
+
+    def out_dir(self) -> Path:
+        if self.out:
+            return Path(self.out)
+        if self.output_dir:
+            return Path(self.output_dir) / "eval"
+        raise ValueError("where should the report go? pass --out DIR")
+
+
+# ---------------------------------------------------------------- measurement helpers
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class PeakMemory:
+    """Peak memory of one decoder call: CUDA peak allocated, or the process's peak RSS on CPU (VmHWM, which
+    Linux lets a process reset through /proc/self/clear_refs; elsewhere the RSS after the call, via psutil)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.can_reset_hwm = False
+        if device.type != "cuda":
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+                self.can_reset_hwm = self._hwm_mb() is not None
+            except OSError:
+                pass
+
+    @staticmethod
+    def _hwm_mb() -> float | None:
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) / 1024.0
+        except OSError:
+            return None
+        return None
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.can_reset_hwm:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+
+    def read_mb(self) -> float:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**20
+        if self.can_reset_hwm:
+            return self._hwm_mb() or 0.0
+        import psutil
+
+        return psutil.Process(os.getpid()).memory_info().rss / 2**20
+
+
+def _weights_mb(model) -> float:
+    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())) / 2**20
+
+
+def _cache_kwarg(model) -> str:
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _median_step(model, ids: torch.Tensor, n_new: int, repeats: int) -> float:
+    """Median seconds of a cached forward of n_new tokens after the prompt `ids` [B, L] (cache cut back each time)."""
+    from transformers import DynamicCache
+
+    device = ids.device
+    kwarg = _cache_kwarg(model)
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kwarg: cache})
+        length = cache.get_seq_length()
+        x = ids[:, -1:].expand(-1, n_new).contiguous()
+        pos = torch.arange(length, length + n_new, device=device)[None].expand(ids.shape[0], -1)
+        times = []
+        for i in range(repeats + 1):
+            _sync(device)
+            t0 = time.perf_counter()
+            # Draft steps keep one logit row, verification all of them, as the decoder does.
+            model(input_ids=x, position_ids=pos, use_cache=True, logits_to_keep=1 if n_new == 1 else 0, **{kwarg: cache})
+            _sync(device)
+            if i:  # the first is a warm-up
+                times.append(time.perf_counter() - t0)
+            cache.crop(-n_new)
+    return statistics.median(times)
+
+
+def measure_costs(target, draft, ids: torch.Tensor, ks: list[int], repeats: int) -> dict:
+    """c = draft step / target step and v(k+1) = verify of k+1 tokens / target step, from cached forwards."""
+    t1 = _median_step(target, ids, 1, repeats)
+    d1 = _median_step(draft, ids, 1, repeats)
+    verify = {k: _median_step(target, ids, k + 1, repeats) for k in ks}
+    return {"target_step_ms": 1e3 * t1, "draft_step_ms": 1e3 * d1, "c": d1 / t1,
+            "verify_ms": {str(k): 1e3 * s for k, s in verify.items()},
+            "v": {str(k): s / t1 for k, s in verify.items()}}
+
+
+def left_pad(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded input_ids and attention_mask [B, L] for a list of token lists."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+        mask[i, width - len(r):] = 1
+    return ids.to(device), mask.to(device)
+
+
+@dataclass
+class Call:
+    """One timed decoder call on one batch of prompts."""
+
+    mode: str  # "baseline" or "speculative"
+    k: int | None
+    batch_size: int
+    rows: list[int]  # prompt indices
+    seconds: float
+    timings: list[tuple[float, int]]
+    tokens: list[list[int]]  # generated tokens per row, cut after EOS
+    peak_mb: float
+    stats: object = None  # DecodeStats for speculative calls
+
+
+# ---------------------------------------------------------------- aggregation
+
+
+def _mode_metrics(calls: list[Call]) -> dict:
+    latencies, ttfts, itls = [], [], []
+    for c in calls:
+        ttft, itl = metrics.ttft_and_itl(c.timings)
+        latencies += [c.seconds] * len(c.rows)  # every request of a batch waits for the whole batch
+        if ttft is not None:
+            ttfts += [ttft] * len(c.rows)
+        itls += itl
+    seconds = sum(c.seconds for c in calls)
+    tokens = sum(len(t) for c in calls for t in c.tokens)
+    return {
+        "tokens_per_s": metrics.tokens_per_second(tokens, seconds),
+        "latency_s": metrics.percentiles(latencies, (50, 95, 99)),
+        "ttft_s": metrics.percentiles(ttfts, (50, 95)),
+        "itl_s": metrics.percentiles(itls, (50, 95)),
+        "peak_memory_mb": max(c.peak_mb for c in calls),
+        "seconds": seconds,
+        "tokens": tokens,
+        "latencies": latencies,  # dropped from the report; kept for the CDF plot
+    }
+
+
+def _spec_stats(calls: list[Call], k: int, weights: list[float] | None = None) -> dict:
+    """Sums of the decoder's counters over calls (optionally weighted per call), and the derived rates."""
+    weights = weights or [1.0] * len(calls)
+    tot = defaultdict(float)
+    tried, acc = [0.0] * k, [0.0] * k
+    for c, w in zip(calls, weights):
+        s = c.stats
+        for name in ("rounds", "row_rounds", "proposed", "accepted", "corrections", "bonus", "emitted"):
+            tot[name] += w * getattr(s, name)
+        tot["fallback"] = max(tot["fallback"], float(s.fallback))
+        for i in range(k):
+            tried[i] += w * s.position_tried[i]
+            acc[i] += w * s.position_accepted[i]
+    return {
+        "acceptance_rate": tot["accepted"] / tot["proposed"] if tot["proposed"] else 0.0,
+        "mean_accepted_tokens": tot["emitted"] / tot["row_rounds"] if tot["row_rounds"] else 0.0,
+        "per_position_acceptance": [a / t if t else 0.0 for a, t in zip(acc, tried)],
+        **{n: int(round(tot[n])) for n in ("rounds", "proposed", "accepted", "corrections", "bonus")},
+        "fallback": bool(tot["fallback"]),
+    }
+
+
+def _categories(prompts, base: list[Call], spec: list[Call], k: int) -> dict:
+    """Per-category figures; a batch's time and counters are shared equally among its rows."""
+    cats = {i: p.category for i, p in enumerate(prompts)}
+    if all(c is None for c in cats.values()):
+        return {}
+    out = {}
+    for cat in sorted({c for c in cats.values() if c is not None}):
+        def share(calls, cat=cat):
+            secs, toks, weights = 0.0, 0, []
+            for c in calls:
+                mine = [j for j, r in enumerate(c.rows) if cats[r] == cat]
+                secs += c.seconds * len(mine) / len(c.rows)
+                toks += sum(len(c.tokens[j]) for j in mine)
+                weights.append(len(mine) / len(c.rows))
+            return secs, toks, weights
+
+        b_s, b_t, _ = share(base)
+        s_s, s_t, w = share(spec)
+        st = _spec_stats(spec, k, w)
+        out[cat] = {
+            "prompts": sum(1 for c in cats.values() if c == cat),
+            "baseline_tokens_per_s": metrics.tokens_per_second(b_t, b_s),
+            "speculative_tokens_per_s": metrics.tokens_per_second(s_t, s_s),
+            "speedup": metrics.speedup(b_s, s_s) if s_s > 0 else 0.0,
+            "acceptance_rate": st["acceptance_rate"],
+            "mean_accepted_tokens": st["mean_accepted_tokens"],
+        }
+    return out
+
+
+def _environment(device: torch.device) -> dict:
+    import sys
+
+    import transformers
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
+    return {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
+            "device": f"{device.type} ({name})", "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+            "platform": platform.platform()}
+
+
+# ---------------------------------------------------------------- the run
+
+
+def run(cfg: EvalConfig) -> dict:
+    """Measure, compare and decide; writes report.json, report.md, plots and samples.jsonl; returns the report."""
+    from specdec.compat import check_compatible
+    from specdec.models import load_model, load_tokenizer, resolve_device
+    from specdec.prompts import encode_prompt, read_prompts
+
+    out_dir = cfg.out_dir()
+    wandb_run = _start_wandb(cfg) if cfg.report_to == "wandb" else None
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    device = resolve_device(cfg.device)
+
+    prompts = read_prompts(resolve_prompts_path(cfg.prompts), limit=cfg.num_prompts)
+    tokenizer = load_tokenizer(cfg.target)
+    log.info("loading target %s and draft %s", cfg.target, cfg.draft)
+    target = load_model(cfg.target, cfg.dtype, device)
+    draft = load_model(cfg.draft, cfg.dtype, device)
+    check_compatible(tokenizer, _draft_tokenizer(cfg.draft, tokenizer), target, draft)
+    encoded = [encode_prompt(tokenizer, first_turn(p.messages), cfg.use_chat_template) for p in prompts]
+    if any(len(e) == 0 for e in encoded):
+        raise ValueError("a prompt encodes to zero tokens; remove empty prompts from the file")
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
+    sampling = cfg.sampling()
+    ks, batch_sizes = cfg.num_draft_tokens, cfg.batch_size
+    memory = PeakMemory(device)
+
+    calls: list[Call] = []
+    costs: dict[int, dict] = {}
+    decoder_seconds, loop_seconds = 0.0, 0.0
+    n_calls = sum(-(-len(prompts) // b) for b in batch_sizes) * (1 + len(ks))
+    bar = tqdm(total=n_calls, desc="eval", unit="call")
+    for b in batch_sizes:
+        groups = [list(range(i, min(i + b, len(prompts)))) for i in range(0, len(prompts), b)]
+        first_ids, first_mask = left_pad([encoded[i] for i in groups[0]], pad, device)
+        costs[b] = measure_costs(target, draft, first_ids[:, first_mask.all(0)] if b > 1 else first_ids, ks, cfg.cost_repeats)
+        for _ in range(cfg.warmup):
+            for k in [None, *ks]:
+                _decode(target, draft, k, first_ids, first_mask, sampling, cfg, eos, pad, torch.Generator(device=device))
+        loop_start = time.perf_counter()
+        for gi, group in enumerate(groups):
+            ids, mask = left_pad([encoded[i] for i in group], pad, device)
+            order = [None, *ks] if gi % 2 == 0 else [*ks[::-1], None]  # A/B: alternate who goes first
+            for k in order:
+                gen = torch.Generator(device=device).manual_seed(cfg.seed + gi)
+                memory.reset()
+                _sync(device)
+                t0 = time.perf_counter()
+                res = _decode(target, draft, k, ids, mask, sampling, cfg, eos, pad, gen)
+                _sync(device)
+                seconds = time.perf_counter() - t0
+                decoder_seconds += seconds
+                peak = memory.read_mb()
+                new = res.sequences[:, res.prompt_length:].tolist()
+                lengths = metrics.generated_lengths(new, eos)
+                calls.append(Call("baseline" if k is None else "speculative", k, b, group, seconds, res.timings,
+                                  [row[:n] for row, n in zip(new, lengths)], peak, None if k is None else res.stats))
+                bar.update(1)
+        loop_seconds += time.perf_counter() - loop_start
+    bar.close()
+
+    draft_mb = _weights_mb(draft)
+    rows = []
+    for b in batch_sizes:
+        base = [c for c in calls if c.batch_size == b and c.mode == "baseline"]
+        for k in ks:
+            spec = [c for c in calls if c.batch_size == b and c.k == k]
+            rows.append(_config_row(cfg, prompts, base, spec, k, b, costs[b], draft_mb))
+    best = _recommend(rows, cfg.recommend_by)
+
+    eq = best["equivalence"]
+    if not sampling.greedy:
+        check = None
+        if cfg.equivalence_samples:
+            log.info("sampling: checking the first two tokens' distribution on prompt 0 (%d draws)", cfg.equivalence_samples)
+            check = check_pair(target, draft, [encoded[0]], sampling, cfg.equivalence_samples,
+                               min(64, cfg.equivalence_samples), seed=cfg.seed, label=f"{cfg.target} + {cfg.draft}")
+        eq = equivalence.sampling_equivalence(check)
+        for row in rows:
+            row["equivalence"] = eq
+    for row in rows:
+        row["decision"] = decision_mod.decide(
+            row["speculative"]["acceptance_rate"], row["speedup"], row["equivalence"]["passed"],
+            row["memory"]["overhead_mb"], draft_mb, cfg.thresholds(), row["speculative"]["fallback"])
+
+    result = _assemble(cfg, prompts, rows, best, eq, costs, device, loop_seconds, decoder_seconds, draft_mb)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write_samples(out_dir / "samples.jsonl", prompts, best)
+    result["plots"] = plots.make_all(result, rows, best, out_dir, cfg.plot_format)
+    report.write(result, out_dir)
+    if wandb_run is not None:
+        _log_wandb(wandb_run, result, out_dir)
+    return result
+
+
+def _decode(target, draft, k, ids, mask, sampling, cfg, eos, pad, gen):
+    mask = None if bool(mask.all()) else mask
+    if k is None:
+        return target_generate(target, ids, mask, sampling, cfg.max_new_tokens, eos, gen, pad, timing=True)
+    return speculative_generate(target, draft, ids, mask, k, sampling, cfg.max_new_tokens, eos, gen, pad, timing=True)
+
+
+def _config_row(cfg, prompts, base: list[Call], spec: list[Call], k: int, b: int, cost: dict, draft_mb: float) -> dict:
+    """Every figure of one (k, batch size) configuration."""
+    bm, sm = _mode_metrics(base), _mode_metrics(spec)
+    st = _spec_stats(spec, k)
+    sm.update(st)
+    by_row_base = {r: t for c in base for r, t in zip(c.rows, c.tokens)}
+    by_row_spec = {r: t for c in spec for r, t in zip(c.rows, c.tokens)}
+    order = sorted(by_row_base)
+    eq = equivalence.greedy_equivalence([prompts[i].prompt_id for i in order], [by_row_base[i] for i in order],
+                                        [by_row_spec[i] for i in order])
+    v = cost["v"][str(k)]
+    return {
+        "num_draft_tokens": k, "batch_size": b,
+        "baseline": bm, "speculative": sm,
+        "speedup": metrics.speedup(bm["seconds"], sm["seconds"]),
+        "analytical_speedup": metrics.analytical_speedup(st["per_position_acceptance"], cost["c"], v),
+        "expected_tokens_per_round": metrics.expected_tokens_per_round(st["per_position_acceptance"]),
+        "cost": {"c": cost["c"], "v": v},
+        "memory": {"draft_weights_mb": draft_mb,
+                   "overhead_mb": metrics.memory_overhead_mb(bm["peak_memory_mb"], sm["peak_memory_mb"], draft_mb)},
+        "equivalence": eq,
+        "categories": _categories(prompts, base, spec, k),
+        "samples": [(prompts[i].prompt_id, prompts[i].category, by_row_base[i], by_row_spec[i]) for i in order],
+    }
+
+
+def _recommend(rows: list[dict], by: str) -> dict:
+    """The best row by the chosen metric (ties: smaller k, then smaller batch)."""
+    key = {
+        "speedup": lambda r: -r["speedup"],
+        "tokens_per_s": lambda r: -r["speculative"]["tokens_per_s"],
+        "latency_p50": lambda r: r["speculative"]["latency_s"]["p50"],
+        "latency_p95": lambda r: r["speculative"]["latency_s"]["p95"],
+    }[by]
+    return min(rows, key=lambda r: (key(r), r["num_draft_tokens"], r["batch_size"]))
+
+
+def _public(mode: dict) -> dict:
+    return {k: v for k, v in mode.items() if k not in ("latencies", "fallback")} | (
+        {"fallback": mode["fallback"]} if "fallback" in mode else {})
+
+
+def _assemble(cfg, prompts, rows, best, eq, costs, device, loop_seconds, decoder_seconds, draft_mb) -> dict:
+    config = {
+        "target": cfg.target, "draft": cfg.draft, "num_draft_tokens": best["num_draft_tokens"],
+        "temperature": cfg.temperature, "top_k": cfg.top_k, "top_p": cfg.top_p,
+        "max_new_tokens": cfg.max_new_tokens, "batch_size": best["batch_size"], "seed": cfg.seed,
+        "num_prompts": len(prompts), "warmup": cfg.warmup, "prompts": cfg.prompts,
+        "use_chat_template": cfg.use_chat_template, "dtype": cfg.dtype,
+        "sweep_num_draft_tokens": cfg.num_draft_tokens, "sweep_batch_size": cfg.batch_size,
+        "recommend_by": cfg.recommend_by,
+        "thresholds": dataclasses.asdict(cfg.thresholds()),
+    }
+    result = {
+        "config": config,
+        "environment": _environment(device),
+        "baseline": _public(best["baseline"]),
+        "speculative": _public(best["speculative"]),
+        "speedup": best["speedup"],
+        "analytical_speedup": best["analytical_speedup"],
+        "expected_tokens_per_round": best["expected_tokens_per_round"],
+        "cost": {**best["cost"], **{k: v for k, v in costs[best["batch_size"]].items() if k not in ("c", "v")}},
+        "memory": best["memory"],
+        "equivalence": eq,
+        "decision": best["decision"],
+        "recommended": {"num_draft_tokens": best["num_draft_tokens"], "batch_size": best["batch_size"],
+                        "by": cfg.recommend_by},
+        # The measurement loop's wall time vs the time inside decoder calls (cost timing and warm-up excluded).
+        "harness": {"loop_s": loop_seconds, "decoder_s": decoder_seconds,
+                    "overhead_fraction": max(0.0, 1 - decoder_seconds / loop_seconds) if loop_seconds else 0.0},
+    }
+    if best["categories"]:
+        result["categories"] = best["categories"]
+    if len(rows) > 1:
+        result["sweep"] = [{
+            "num_draft_tokens": r["num_draft_tokens"], "batch_size": r["batch_size"],
+            "speedup": r["speedup"], "analytical_speedup": r["analytical_speedup"],
+            "baseline_tokens_per_s": r["baseline"]["tokens_per_s"],
+            "speculative_tokens_per_s": r["speculative"]["tokens_per_s"],
+            "acceptance_rate": r["speculative"]["acceptance_rate"],
+            "mean_accepted_tokens": r["speculative"]["mean_accepted_tokens"],
+            "per_position_acceptance": r["speculative"]["per_position_acceptance"],
+            "baseline_latency_p50_s": r["baseline"]["latency_s"]["p50"],
+            "speculative_latency_p50_s": r["speculative"]["latency_s"]["p50"],
+            "c": r["cost"]["c"], "v": r["cost"]["v"],
+            "equivalence_passed": r["equivalence"]["passed"], "mismatches": r["equivalence"]["mismatches"],
+            "verdict": r["decision"]["verdict"],
+        } for r in rows]
+    return result
+
+
+def _write_samples(path: Path, prompts, best: dict) -> None:
+    with path.open("w") as f:
+        for pid, cat, base, spec in best["samples"]:
+            f.write(json.dumps({"prompt_id": pid, "category": cat, "baseline_tokens": base,
+                                "speculative_tokens": spec}) + "\n")
+
+
+def _start_wandb(cfg: EvalConfig):
+    try:
+        import wandb
+    except ImportError as err:
+        raise ValueError("report_to=wandb needs wandb: pip install 'specdec[wandb]' (or set report_to=none)") from err
+    return wandb.init(project="specdec", name=cfg.run_name, job_type="eval", config=dataclasses.asdict(cfg))
+
+
+def _log_wandb(run, result: dict, out_dir: Path) -> None:
+    import wandb
+
+    run.summary.update({
+        "speedup": result["speedup"], "analytical_speedup": result["analytical_speedup"],
+        "acceptance_rate": result["speculative"]["acceptance_rate"],
+        "mean_accepted_tokens": result["speculative"]["mean_accepted_tokens"],
+        "baseline_tokens_per_s": result["baseline"]["tokens_per_s"],
+        "speculative_tokens_per_s": result["speculative"]["tokens_per_s"],
+        "verdict": result["decision"]["verdict"], "equivalence_passed": result["equivalence"]["passed"],
+    })
+    if result.get("sweep"):
+        cols = [c for c in result["sweep"][0] if not isinstance(result["sweep"][0][c], (list, dict))]
+        run.log({"sweep": wandb.Table(columns=cols, data=[[r[c] for c in cols] for r in result["sweep"]])})
+    run.log({name: wandb.Image(str(out_dir / file)) for name, file in result["plots"].items() if file.endswith(".png")})
+    run.finish()

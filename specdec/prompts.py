@@ -1,0 +1,177 @@
+"""Prompt files: one reader for every tool (data generation, eval, demo).
+
+Accepted record shapes (one JSON object per line of a .jsonl file, or a JSON list of them):
+
+    {"prompt": "..."}                                               plain prompt
+    {"messages": [{"role": "user", "content": "..."}, ...]}          chat
+    {"conversations": [{"from": "human", "value": "..."}, ...]}      ShareGPT
+    {"question_id": 81, "category": "writing", "turns": ["...", ...]} Spec-Bench / MT-Bench
+
+Optional `prompt_id` / `id` and `category` keys are kept. A `column_map` renames a data set's own columns
+to these keys first, e.g. `{"instruction": "prompt"}`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ACCEPTED_FORMATS = (
+    '{"prompt": str}, {"messages": [{"role", "content"}, ...]}, '
+    '{"conversations": [{"from", "value"}, ...]} (ShareGPT) or {"question_id", "category", "turns": [str, ...]} '
+    "(Spec-Bench); use column_map to rename other columns, e.g. column_map={instruction: prompt}"
+)
+_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                   "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "system": "system"}
+_ROLES = ("system", "user", "assistant")
+
+
+@dataclass
+class Prompt:
+    """One prompt: an id, an optional category and its chat messages (user turns only for turn lists)."""
+
+    prompt_id: str
+    category: str | None
+    messages: list[dict]
+
+    @property
+    def turns(self) -> list[str]:
+        """The user messages' contents, in order."""
+        return [m["content"] for m in self.messages if m["role"] == "user"]
+
+
+def _check_text(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{where} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _chat_messages(raw: Any, where: str) -> list[dict]:
+    if not isinstance(raw, list) or not raw:
+        raise ValueError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+    out = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ValueError(f"{where}: message {i} must be an object with 'role' and 'content', got {m!r}")
+        if m["role"] not in _ROLES:
+            raise ValueError(f"{where}: message {i} has role {m['role']!r}; use one of {', '.join(_ROLES)}")
+        out.append({"role": m["role"], "content": _check_text(m["content"], f"{where}: message {i} content")})
+    return out
+
+
+def _sharegpt_messages(raw: Any, where: str) -> list[dict]:
+    if not isinstance(raw, list) or not raw:
+        raise ValueError(f"{where}: 'conversations' must be a non-empty list of {{from, value}} objects")
+    out = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict) or "from" not in m or "value" not in m:
+            raise ValueError(f"{where}: conversation entry {i} must have 'from' and 'value', got {m!r}")
+        role = _SHAREGPT_ROLES.get(str(m["from"]).lower())
+        if role is None:
+            raise ValueError(f"{where}: conversation entry {i} has from={m['from']!r}; "
+                             f"expected one of {', '.join(sorted(_SHAREGPT_ROLES))}")
+        out.append({"role": role, "content": _check_text(m["value"], f"{where}: conversation entry {i} value")})
+    return out
+
+
+def normalise_record(record: dict, index: int, column_map: dict | None = None) -> Prompt:
+    """Turn one record of any accepted shape into a Prompt (ValueError naming the keys found otherwise)."""
+    where = f"record {index}"
+    if not isinstance(record, dict):
+        raise ValueError(f"{where} is a {type(record).__name__}, not an object; accepted formats: {ACCEPTED_FORMATS}")
+    if column_map:
+        missing = [src for src in column_map if src not in record]
+        if missing:
+            raise ValueError(f"{where}: column_map names column(s) {missing} that are not in the record "
+                             f"(keys found: {sorted(record)})")
+        record = {column_map.get(k, k): v for k, v in record.items()}
+
+    prompt_id = record.get("prompt_id", record.get("question_id", record.get("id")))
+    prompt_id = str(index) if prompt_id is None else str(prompt_id)
+    category = record.get("category")
+    category = None if category is None else str(category)
+
+    if "messages" in record:
+        messages = _chat_messages(record["messages"], where)
+    elif "conversations" in record:
+        messages = _sharegpt_messages(record["conversations"], where)
+    elif "turns" in record:
+        turns = record["turns"]
+        if isinstance(turns, str):
+            turns = [turns]
+        if not isinstance(turns, list) or not turns:
+            raise ValueError(f"{where}: 'turns' must be a non-empty list of strings")
+        messages = [{"role": "user", "content": _check_text(t, f"{where}: turn {i}")} for i, t in enumerate(turns)]
+    elif "prompt" in record:
+        messages = [{"role": "user", "content": _check_text(record["prompt"], f"{where}: 'prompt'")}]
+    else:
+        raise ValueError(f"{where} has keys {sorted(record)}, none of which holds a prompt; "
+                         f"accepted formats: {ACCEPTED_FORMATS}")
+    if not any(m["role"] == "user" for m in messages):
+        raise ValueError(f"{where} has no user message")
+    return Prompt(prompt_id=prompt_id, category=category, messages=messages)
+
+
+def _read_records(path: Path) -> list[dict]:
+    text = path.read_text(encoding="utf-8")
+    if not text.strip():
+        raise ValueError(f"prompt file {path} is empty")
+    if path.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: not valid JSON ({err}); a .json prompt file holds a list of records") from err
+        if isinstance(data, dict):
+            data = [data]
+        if not isinstance(data, list):
+            raise ValueError(f"{path}: a .json prompt file must hold a list of records")
+        return data
+    records = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: line {lineno} is not valid JSON ({err.msg}); each line must be one "
+                             f"JSON object") from err
+    return records
+
+
+def read_prompts(path: str | Path, column_map: dict | None = None, limit: int | None = None) -> list[Prompt]:
+    """Read a local .jsonl or .json prompt file into Prompts (ValueError on a missing, empty or bad file)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"prompt file {path} does not exist; pass a local .jsonl/.json file")
+    if path.suffix not in (".jsonl", ".json"):
+        raise ValueError(f"prompt file {path} must end in .jsonl or .json")
+    records = _read_records(path)
+    if not records:
+        raise ValueError(f"prompt file {path} holds no records")
+    if limit is not None:
+        records = records[:limit]
+    prompts = [normalise_record(r, i, column_map) for i, r in enumerate(records)]
+    ids = [p.prompt_id for p in prompts]
+    if len(set(ids)) != len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise ValueError(f"{path}: prompt_id {dup!r} appears more than once; prompt ids must be unique")
+    return prompts
+
+
+def encode_prompt(tokenizer, messages: list[dict], use_chat_template: bool = True) -> list[int]:
+    """Token ids of `messages`: the chat template with the assistant header, or the contents joined by blank lines."""
+    if use_chat_template:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; set "
+                "use_chat_template=false to encode prompts as plain text"
+            )
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        # Some tokenizers still return a batch of one for a single conversation.
+        if ids and isinstance(ids[0], list):
+            ids = ids[0]
+        return [int(i) for i in ids]
+    text = "\n\n".join(m["content"] for m in messages)
+    return [int(i) for i in tokenizer(text)["input_ids"]]

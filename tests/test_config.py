@@ -1,0 +1,65 @@
+"""Recipe YAML + overrides -> dataclass configs; unknown keys are errors."""
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from specdec.config import config_from_cli, load_config, split_cli
+
+
+@dataclass
+class Inner:
+    rank: int = 8
+
+
+@dataclass
+class Cfg:
+    target: str = "t"
+    seed: int = 0
+    num_draft_tokens: list[int] = field(default_factory=lambda: [4])
+    temperature: float = 0.0
+    quick: bool = False
+    lora: Inner = field(default_factory=Inner)
+    note: str | None = None
+
+
+def write(tmp_path, text):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_shared_keys_section_and_overrides_in_order(tmp_path):
+    path = write(tmp_path, "target: big\nseed: 3\neval:\n  temperature: 0.5\n  lora: {rank: 4}\ntrain:\n  other: 1\n")
+    cfg = load_config(Cfg, path, ["seed=5", "eval.quick=true", "train.ignored=1", "lora.rank=16"], section="eval")
+    assert (cfg.target, cfg.seed, cfg.temperature, cfg.quick, cfg.lora.rank) == ("big", 5, 0.5, True, 16)
+
+
+def test_unknown_keys_are_errors_that_list_valid_keys(tmp_path):
+    with pytest.raises(ValueError, match="unknown config key.*temprature.*valid keys"):
+        load_config(Cfg, write(tmp_path, "eval:\n  temprature: 1\n"), section="eval")
+    with pytest.raises(ValueError, match="unknown top-level key"):
+        load_config(Cfg, write(tmp_path, "evall: {}\n"), section="eval")
+    with pytest.raises(ValueError, match="lora.alpha"):
+        load_config(Cfg, None, ["lora.alpha=3"])
+
+
+def test_types_are_checked():
+    with pytest.raises(ValueError, match="seed: expected int"):
+        load_config(Cfg, None, ["seed=abc"])
+    with pytest.raises(ValueError, match="quick: expected true or false"):
+        load_config(Cfg, None, ["quick=maybe"])
+    with pytest.raises(ValueError, match="does not exist"):
+        load_config(Cfg, "/nonexistent/recipe.yaml")
+
+
+def test_cli_flags_lists_and_booleans(tmp_path):
+    path = write(tmp_path, "seed: 1\n")
+    cfg = config_from_cli(Cfg, ["--config", str(path), "--num-draft-tokens", "1,2,4", "--quick",
+                                "temperature=0.7", "--note=hello"], section="eval")
+    assert cfg.num_draft_tokens == [1, 2, 4] and cfg.quick and cfg.temperature == 0.7 and cfg.note == "hello"
+    assert split_cli(["--no-quick"], Cfg) == (None, ["quick=false"])
+    with pytest.raises(ValueError, match="needs a value"):
+        split_cli(["--seed"], Cfg)
+    with pytest.raises(ValueError, match="unexpected argument"):
+        split_cli(["stray"], Cfg)

@@ -1,0 +1,364 @@
+"""train.data (target-generated data, resumable) and train.prompt_set (the embedded prompt set)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_llama, tiny_tokenizer
+
+from specdec.decode import target_generate
+from specdec.prompts import encode_prompt, read_prompts
+from train import data as gen
+from train.data import DataConfig, conversation, load_generated, plan_items, run
+from train.prompt_set import EMBEDDED_HELDOUT_PROMPTS, EMBEDDED_TRAIN_PROMPTS, build_prompt_sets
+
+REPO = Path(__file__).resolve().parents[1]
+SPEC_BENCH = Path("/work/shared/data/specbench_mtbench.jsonl")
+WORDS = "the a of to and is explain write sum number city water food book list simple clear".split()
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny GEMMs gain nothing from threads, and on a busy 2-core machine thread hand-offs cost 1000x."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory) -> Path:
+    """A tiny random Llama + word-level tokenizer saved as a checkpoint folder (float64: no argmax ties)."""
+    folder = tmp_path_factory.mktemp("tiny-target")
+    tiny_llama(seed=0).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def _write_prompts(path: Path, n: int = 12, multi_turn: bool = True, seed: int = 0) -> Path:
+    g = torch.Generator().manual_seed(seed)
+    with path.open("w") as f:
+        for i in range(n):
+            k = int(torch.randint(2, 14, (1,), generator=g))
+            words = [WORDS[int(j)] for j in torch.randint(0, len(WORDS), (k,), generator=g)]
+            f.write(json.dumps({"prompt": " ".join(words), "category": f"c{i % 3}"}) + "\n")
+        if multi_turn:
+            f.write(json.dumps({"question_id": 900, "category": "mt", "turns": ["explain the sum", "write a list"]}) + "\n")
+    return path
+
+
+def _cfg(target: Path, prompts: Path, out: Path, **kw) -> DataConfig:
+    base = dict(target=str(target), prompts=str(prompts), output_dir=str(out), max_new_tokens=6, batch_size=3,
+                shard_size=4, dtype="float64", device="cpu", spec_bench_turns="all")
+    base.update(kw)
+    return DataConfig(**base)
+
+
+def _rows(out: Path) -> list[dict]:
+    return sorted(load_generated(out).to_list(), key=lambda r: (r["prompt_id"], r["sample_index"], r["turn"]))
+
+
+# ---- pure parts ---------------------------------------------------------------------------------------------
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="too_long"):
+        DataConfig(too_long="truncate")
+    with pytest.raises(ValueError, match="backend"):
+        DataConfig(backend="tgi")
+    with pytest.raises(ValueError, match="temperature"):
+        DataConfig(temperature=-1)
+    with pytest.raises(ValueError, match="shard_size"):
+        DataConfig(shard_size=0)
+
+
+def test_conversation_split():
+    from specdec.prompts import Prompt
+
+    turns = Prompt("1", None, [{"role": "system", "content": "s"}, {"role": "user", "content": "a"},
+                               {"role": "user", "content": "b"}])
+    assert conversation(turns, "all") == ([{"role": "system", "content": "s"}], ["a", "b"])
+    assert conversation(turns, "first") == ([{"role": "system", "content": "s"}], ["a"])
+    chat = Prompt("2", None, [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x"},
+                              {"role": "user", "content": "b"}, {"role": "assistant", "content": "old answer"}])
+    history, user_turns = conversation(chat, "all")
+    assert user_turns == ["b"] and [m["content"] for m in history] == ["a", "x"]
+
+
+def test_plan_skips_or_rejects_long_prompts(tmp_path):
+    tok = tiny_tokenizer()
+    prompts = read_prompts(_write_prompts(tmp_path / "p.jsonl", multi_turn=False))
+    lengths = {p.prompt_id: len(encode_prompt(tok, p.messages)) for p in prompts}
+    cut = sorted(lengths.values())[len(lengths) // 2]
+    cfg = DataConfig(max_prompt_tokens=cut, num_samples=2)
+    items, skipped, _ = plan_items(prompts, tok, cfg, context_limit=None)
+    assert sorted(skipped) == sorted(i for i, n in lengths.items() if n > cut)
+    assert len(items) == 2 * (len(prompts) - len(skipped))
+    assert [it.first_length for it in items] == sorted((it.first_length for it in items), reverse=True)
+    with pytest.raises(ValueError, match="too_long=skip"):
+        plan_items(prompts, tok, DataConfig(max_prompt_tokens=cut, too_long="error"), context_limit=None)
+    # The model's context bounds prompts too: prompt + max_new_tokens must fit.
+    _, skipped_ctx, _ = plan_items(prompts, tok, DataConfig(max_new_tokens=8), context_limit=8 + cut)
+    assert skipped_ctx == skipped
+
+
+# ---- generation ---------------------------------------------------------------------------------------------
+
+
+def test_generated_rows_match_the_target(tiny_target, tmp_path):
+    prompts = _write_prompts(tmp_path / "p.jsonl")
+    out = tmp_path / "out"
+    manifest = run(_cfg(tiny_target, prompts, out, top_logprobs=3))
+    assert manifest["complete"] and manifest["num_shards"] == 4  # 13 items, 4 per shard
+    assert sorted(p.name for p in (out / "shards").iterdir()) == [f"shard-{i:05d}.parquet" for i in range(4)]
+    rows = _rows(out)
+    assert len(rows) == 14 and manifest["counts"]["examples"] == 14  # 12 single-turn + 2 turns
+    assert manifest["counts"]["generated_tokens"] == sum(len(r["input_ids"]) - r["prompt_length"] for r in rows)
+    model, tok = tiny_llama(seed=0), tiny_tokenizer()
+    for r in rows:
+        prompt, completion = r["input_ids"][: r["prompt_length"]], r["input_ids"][r["prompt_length"]:]
+        assert 1 <= len(completion) <= 6
+        if 2 in completion:  # EOS ends a completion and is kept
+            assert completion.index(2) == len(completion) - 1
+        # Each row equals unbatched greedy decoding of its prompt (batching and padding change nothing).
+        ref = target_generate(model, torch.tensor([prompt]), max_new_tokens=6, eos_token_id=2)
+        assert ref.sequences[0, len(prompt):].tolist()[: len(completion)] == completion
+        # Top-n log-probs: one list of n per completion token, sorted, the greedy token first.
+        assert len(r["top_ids"]) == len(r["top_logprobs"]) == len(completion)
+        for j, token in enumerate(completion):
+            assert r["top_ids"][j][0] == token and len(r["top_ids"][j]) == 3
+            lp = r["top_logprobs"][j]
+            assert lp == sorted(lp, reverse=True) and lp[0] <= 0.0
+        if r["prompt_id"] != "900":
+            text = json.loads((prompts.read_text().splitlines())[int(r["prompt_id"])])["prompt"]
+            assert prompt == encode_prompt(tok, [{"role": "user", "content": text}])
+    turns = [r for r in rows if r["prompt_id"] == "900"]
+    assert [r["turn"] for r in turns] == [0, 1] and turns[1]["prompt_length"] > len(turns[0]["input_ids"])
+    assert {r["category"] for r in rows} == {"c0", "c1", "c2", "mt"}
+
+
+def test_sampling_is_seeded_and_samples_differ(tiny_target, tmp_path):
+    prompts = _write_prompts(tmp_path / "p.jsonl", n=4, multi_turn=False)
+    kw = dict(temperature=1.0, num_samples=3, spec_bench_turns="first")
+    run(_cfg(tiny_target, prompts, tmp_path / "a", **kw))
+    run(_cfg(tiny_target, prompts, tmp_path / "b", **kw))
+    a, b = _rows(tmp_path / "a"), _rows(tmp_path / "b")
+    assert len(a) == 12 and [r["sample_index"] for r in a[:3]] == [0, 1, 2]
+    assert [r["input_ids"] for r in a] == [r["input_ids"] for r in b]
+    assert len({tuple(r["input_ids"]) for r in a}) > 4  # samples of one prompt are not all the same
+
+
+def test_resume_after_lost_manifest_entry(tiny_target, tmp_path):
+    prompts = _write_prompts(tmp_path / "p.jsonl")
+    out = tmp_path / "out"
+    cfg = _cfg(tiny_target, prompts, out)
+    run(cfg)
+    before = _rows(out)
+    # Simulate a kill after a shard was renamed into place but before the manifest listed it, plus a stray tmp file.
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["shards"] = manifest["shards"][:2]
+    manifest["complete"] = False
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    (out / "shards" / "shard-00003.parquet").unlink()
+    (out / "shards" / ".shard-00003.parquet.tmp-1").write_text("half")
+    assert load_generated(out).num_rows < len(before)  # an incomplete folder loads its finished shards
+    with pytest.raises(ValueError, match="incomplete"):
+        load_generated(out, require_complete=True)
+    again = run(cfg)
+    assert again["complete"] and _rows(out) == before
+    assert not list((out / "shards").glob(".*"))
+
+
+def test_killed_subprocess_resumes_exactly_once(tiny_target, tmp_path):
+    prompts = _write_prompts(tmp_path / "p.jsonl", n=15)
+    out, ref = tmp_path / "out", tmp_path / "ref"
+    args = [f"target={tiny_target}", f"prompts={prompts}", f"output_dir={out}", "max_new_tokens=6", "batch_size=2",
+            "shard_size=2", "dtype=float64", "device=cpu", "spec_bench_turns=all", "top_logprobs=2"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", **{gen._PAUSE_ENV: "0.5"})
+    proc = subprocess.Popen([sys.executable, "-m", "train.data", *args], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None:
+            manifest = out / "manifest.json"
+            if manifest.is_file() and len(json.loads(manifest.read_text())["shards"]) >= 2:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stderr.close()
+    partial = json.loads((out / "manifest.json").read_text())
+    assert not partial["complete"] and 2 <= len(partial["shards"]) < partial["num_shards"] == 8
+    cfg = _cfg(tiny_target, prompts, out, batch_size=2, shard_size=2, top_logprobs=2)
+    assert run(cfg)["complete"]
+    rows = _rows(out)
+    keys = [(r["prompt_id"], r["sample_index"], r["turn"]) for r in rows]
+    assert len(keys) == len(set(keys)) == 15 + 2  # every prompt exactly once (the 2-turn one twice)
+    run(_cfg(tiny_target, prompts, ref, batch_size=2, shard_size=2, top_logprobs=2))
+    assert rows == _rows(ref)  # and identical to an uninterrupted run
+
+
+def test_processes_take_disjoint_shards(tiny_target, tmp_path, monkeypatch):
+    prompts = _write_prompts(tmp_path / "p.jsonl")
+    out = tmp_path / "out"
+    cfg = _cfg(tiny_target, prompts, out, shard_size=2)
+    written = []
+    real_write = gen.write_shard
+    monkeypatch.setattr(gen, "write_shard", lambda rows, path, top: (written.append(path.name), real_write(rows, path, top)))
+    for index in (0, 1):
+        monkeypatch.setattr(gen, "_processes", lambda cfg, i=index: gen._Processes(i, 2, i == 0))
+        monkeypatch.setattr(gen._Processes, "barrier", lambda self: None)
+        run(cfg)
+    assert written == [f"shard-{i:05d}.parquet" for i in (0, 2, 4, 6, 1, 3, 5)]
+    monkeypatch.setattr(gen, "_processes", lambda cfg: gen._Processes())
+    assert run(cfg)["complete"] and len(written) == 7  # nothing left to do; the main process marks it complete
+
+
+def test_other_settings_in_existing_output_dir(tiny_target, tmp_path):
+    prompts = _write_prompts(tmp_path / "p.jsonl", n=3, multi_turn=False)
+    out = tmp_path / "out"
+    run(_cfg(tiny_target, prompts, out))
+    with pytest.raises(ValueError, match="max_new_tokens.*overwrite=true"):
+        run(_cfg(tiny_target, prompts, out, max_new_tokens=4))
+    run(_cfg(tiny_target, prompts, out, batch_size=1))  # batch size does not change the data: a resume
+    m = run(_cfg(tiny_target, prompts, out, max_new_tokens=4, overwrite=True))
+    assert m["complete"] and m["settings"]["max_new_tokens"] == 4
+    assert all(len(r["input_ids"]) - r["prompt_length"] <= 4 for r in _rows(out))
+
+
+def test_parquet_and_csv_sources_with_column_map(tiny_target, tmp_path):
+    import datasets
+
+    ds = datasets.Dataset.from_dict({"instruction": ["explain the sum", "write a list"], "kind": ["a", "b"]})
+    ds.to_parquet(str(tmp_path / "p.parquet"))
+    ds.to_csv(str(tmp_path / "p.csv"), index=False)
+    for name in ("p.parquet", "p.csv"):
+        out = tmp_path / name.replace(".", "_")
+        run(_cfg(tiny_target, tmp_path / name, out, column_map={"instruction": "prompt", "kind": "category"}))
+        assert [r["category"] for r in _rows(out)] == ["a", "b"]
+
+
+# ---- bad input ----------------------------------------------------------------------------------------------
+
+
+def test_bad_inputs(tiny_target, tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        run(_cfg(tiny_target, tmp_path / "missing.jsonl", tmp_path / "o1"))
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match="empty"):
+        run(_cfg(tiny_target, tmp_path / "empty.jsonl", tmp_path / "o2"))
+    (tmp_path / "odd.jsonl").write_text(json.dumps({"text": "hello", "label": 1}) + "\n")
+    with pytest.raises(ValueError, match=r"keys \['label', 'text'\].*column_map"):
+        run(_cfg(tiny_target, tmp_path / "odd.jsonl", tmp_path / "o3"))
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{"prompt": \n')
+    with pytest.raises(ValueError, match="line 2"):
+        run(_cfg(tiny_target, tmp_path / "bad.jsonl", tmp_path / "o4"))
+    prompts = _write_prompts(tmp_path / "p.jsonl", n=3, multi_turn=False)
+    with pytest.raises(ValueError, match="max_prompt_tokens"):
+        run(_cfg(tiny_target, prompts, tmp_path / "o5", max_prompt_tokens=2))
+    with pytest.raises(ValueError, match="no manifest.json"):
+        load_generated(tmp_path)
+
+
+def test_missing_chat_template(tmp_path):
+    folder = tmp_path / "model"
+    tiny_llama(seed=0).save_pretrained(folder)
+    tiny_tokenizer(chat_template=False).save_pretrained(folder)
+    prompts = _write_prompts(tmp_path / "p.jsonl", n=2, multi_turn=False)
+    with pytest.raises(ValueError, match="use_chat_template=false"):
+        run(_cfg(folder, prompts, tmp_path / "out"))
+    assert run(_cfg(folder, prompts, tmp_path / "out2", use_chat_template=False))["complete"]
+
+
+def test_vllm_backend_missing_says_how_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError even where it is installed
+    monkeypatch.setattr(gen, "_importable", lambda name: False)
+    with pytest.raises(ValueError, match=re.escape("pip install specdec[vllm]")):
+        run(DataConfig(backend="vllm", prompts=str(tmp_path / "p.jsonl")))
+    with pytest.raises(ValueError, match=re.escape("pip install specdec[vllm]")):
+        gen.VLLMBackend(DataConfig(backend="vllm"), tokenizer=None)
+
+
+def test_cli_entry_point(tiny_target, tmp_path, capsys):
+    from specdec.cli import main as cli
+
+    prompts = _write_prompts(tmp_path / "p.jsonl", n=2, multi_turn=False)
+    assert cli(["data", f"--target={tiny_target}", "--prompts", str(prompts), f"output_dir={tmp_path / 'o'}",
+                "max_new_tokens=3", "dtype=float64"]) == 0
+    assert "2 examples" in capsys.readouterr().out
+    assert cli(["data", "prompts=nothing.jsonl", f"output_dir={tmp_path / 'x'}"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+# ---- the embedded prompt set --------------------------------------------------------------------------------
+
+
+def _norm(text: str) -> str:
+    return " ".join(re.findall(r"[a-z0-9']+", text.lower()))
+
+
+def test_embedded_prompt_files_are_what_the_generator_makes():
+    train, heldout = build_prompt_sets()
+    assert EMBEDDED_TRAIN_PROMPTS.read_text(encoding="utf-8") == "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in train)
+    assert EMBEDDED_HELDOUT_PROMPTS.read_text(encoding="utf-8") == "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in heldout)
+
+
+def test_embedded_prompt_set_shape():
+    train, heldout = read_prompts(EMBEDDED_TRAIN_PROMPTS), read_prompts(EMBEDDED_HELDOUT_PROMPTS)
+    assert len(train) >= 1500 and 140 <= len(heldout) <= 160
+    assert len({p.category for p in train}) >= 10 and {p.category for p in heldout} == {p.category for p in train}
+    texts = ["\n\n".join(p.turns) for p in train]
+    assert len(set(texts)) == len(texts)
+    train_turns = {_norm(t) for p in train for t in p.turns if len(p.turns) == 1}
+    assert not any(_norm(t) in train_turns for p in heldout for t in p.turns)
+    assert any(len(p.turns) == 2 for p in train)
+
+
+def test_embedded_prompt_set_has_no_spec_bench_text():
+    ours = [_norm(t) for f in (EMBEDDED_TRAIN_PROMPTS, EMBEDDED_HELDOUT_PROMPTS) for p in read_prompts(f) for t in p.turns]
+    theirs = [_norm(t) for p in read_prompts(SPEC_BENCH) for t in p.turns]
+
+    def grams(text: str, n: int = 8) -> set[tuple[str, ...]]:
+        words = text.split()
+        return {tuple(words[i: i + n]) for i in range(len(words) - n + 1)}
+
+    assert not set(ours) & set(theirs)
+    their_grams = set().union(*(grams(t) for t in theirs))
+    shared = [t for t in ours if grams(t) & their_grams]
+    assert not shared, shared[:3]
+
+
+@pytest.mark.slow
+def test_embedded_target_rows_match_hf_generate(tmp_path):
+    """The real SmolLM2 target: batched data-stage completions equal unbatched transformers greedy decoding."""
+    from specdec.models import EMBEDDED_TARGET, load_model, load_tokenizer
+
+    records = [json.loads(line) for line in EMBEDDED_HELDOUT_PROMPTS.read_text().splitlines()[:3]]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = DataConfig(target=EMBEDDED_TARGET, prompts=str(prompts), output_dir=str(tmp_path / "out"), max_new_tokens=8,
+                     batch_size=3, device="cpu", dtype="float32", top_logprobs=2)
+    assert run(cfg)["complete"]
+    model, tok = load_model(EMBEDDED_TARGET, dtype="float32", device="cpu"), load_tokenizer(EMBEDDED_TARGET)
+    rows = {r["prompt_id"]: r for r in load_generated(cfg.output_dir)}
+    for rec in records:
+        ids = torch.tensor([encode_prompt(tok, rec["messages"])])
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                             temperature=None, top_p=None, top_k=None)
+        row = rows[rec["prompt_id"]]
+        assert row["input_ids"][: row["prompt_length"]] == ids[0].tolist()
+        assert row["input_ids"][row["prompt_length"]:] == ref[0, ids.shape[1]:].tolist()
+        assert [t[0] for t in row["top_ids"]] == ref[0, ids.shape[1]:].tolist()

@@ -1,0 +1,149 @@
+"""`specdec eval` end to end on tiny saved checkpoints, and its bad-input errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import tiny_llama, tiny_tokenizer
+from specdec.cli import main
+
+BASELINE_KEYS = {"tokens_per_s", "latency_s", "ttft_s", "itl_s", "peak_memory_mb"}
+SPEC_KEYS = BASELINE_KEYS | {"acceptance_rate", "mean_accepted_tokens", "per_position_acceptance", "rounds",
+                             "proposed", "accepted", "corrections", "bonus"}
+
+
+def _eval(ckpt, out, *extra):
+    return main(["eval", "--target", ckpt["target"], "--draft", ckpt["draft"], "--prompts", ckpt["prompts"],
+                 "--max-new-tokens", "8", "--out", str(out), "dtype=float64", "cost_repeats=2", *extra])
+
+
+def test_eval_greedy_sweep_writes_a_complete_report(tiny_checkpoints, tmp_path):
+    assert _eval(tiny_checkpoints, tmp_path, "--num-draft-tokens", "1,3", "--batch-size", "1,2",
+                 "--temperature", "0", "--min-speedup", "100") == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert {"target", "draft", "num_draft_tokens", "temperature", "top_k", "top_p", "max_new_tokens", "batch_size",
+            "seed", "num_prompts", "warmup"} <= set(report["config"])
+    assert {"python", "torch", "transformers", "device", "threads"} <= set(report["environment"])
+    assert BASELINE_KEYS <= set(report["baseline"]) and SPEC_KEYS <= set(report["speculative"])
+    assert set(report["baseline"]["latency_s"]) == {"p50", "p95", "p99"}
+    assert set(report["speculative"]["ttft_s"]) == {"p50", "p95"} == set(report["speculative"]["itl_s"])
+    k = report["config"]["num_draft_tokens"]
+    assert k in (1, 3) and report["config"]["batch_size"] in (1, 2) and report["config"]["num_prompts"] == 4
+    assert len(report["speculative"]["per_position_acceptance"]) == k
+    assert report["speedup"] > 0 and report["analytical_speedup"] > 0
+    spec = report["speculative"]
+    assert spec["proposed"] >= spec["accepted"] and spec["rounds"] > 0
+    assert spec["acceptance_rate"] == pytest.approx(spec["accepted"] / spec["proposed"])
+
+    # Greedy: the exact decoder must reproduce the baseline token for token, in every configuration.
+    eq = report["equivalence"]
+    assert eq == {**eq, "mode": "greedy", "passed": True, "checked": 4, "mismatches": 0}
+    assert len(report["sweep"]) == 4 and all(r["equivalence_passed"] for r in report["sweep"])
+    assert {(r["num_draft_tokens"], r["batch_size"]) for r in report["sweep"]} == {(1, 1), (3, 1), (1, 2), (3, 2)}
+    # A 100x speedup threshold cannot hold: the verdict keeps the target, and says why.
+    assert report["decision"]["verdict"] == "keep-target-only"
+    assert any("speedup" in r and "FAILS" in r for r in report["decision"]["reasons"])
+    assert set(report["categories"]) == {"writing", "math"}
+
+    lines = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [x["prompt_id"] for x in lines] == ["1", "2", "3", "4"]
+    assert all(set(x) == {"prompt_id", "category", "baseline_tokens", "speculative_tokens"} for x in lines)
+    assert all(x["baseline_tokens"] == x["speculative_tokens"] and 0 < len(x["baseline_tokens"]) <= 8 for x in lines)
+
+    for name in ("per_position_acceptance", "latency_cdf", "speedup_vs_k"):
+        png = tmp_path / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (tmp_path / "report.md").read_text()
+    assert "keep-target-only" in md and "## Sweep" in md and "tau_hat / (k * c + v)" in md
+    assert "](latency_cdf.png)" in md and "## By category" in md
+
+
+def test_eval_enables_when_every_threshold_holds(tiny_checkpoints, tmp_path):
+    assert _eval(tiny_checkpoints, tmp_path, "--num-draft-tokens", "2", "min_acceptance_rate=0", "min_speedup=0.01",
+                 "max_memory_overhead=1000", "warmup=0", "num_prompts=2") == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["decision"]["verdict"] == "enable", report["decision"]["reasons"]
+    assert "sweep" not in report and report["config"]["num_prompts"] == 2
+
+
+def test_eval_sampling_points_to_verify(tiny_checkpoints, tmp_path):
+    assert _eval(tiny_checkpoints, tmp_path, "--num-draft-tokens", "2", "--temperature", "1.0", "--top-k", "20",
+                 "num_prompts=2", "equivalence_samples=64", "warmup=0") == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    eq = report["equivalence"]
+    assert eq["mode"] == "sampling" and "specdec verify" in eq["note"] and eq["checked"] == 64
+    assert isinstance(eq["passed"], bool) and eq["tests"]
+    assert "specdec verify" in (tmp_path / "report.md").read_text()
+
+
+def test_eval_from_a_recipe_section(tiny_checkpoints, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"target: {tiny_checkpoints['target']}\ndraft: {tiny_checkpoints['draft']}\n"
+                      f"eval:\n  prompts: {tiny_checkpoints['prompts']}\n  num_draft_tokens: [2]\n"
+                      f"  max_new_tokens: 4\n  num_prompts: 1\n  warmup: 0\n  dtype: float64\n")
+    assert main(["eval", "--config", str(recipe), f"out={tmp_path / 'o'}", "cost_repeats=1"]) == 0
+    assert json.loads((tmp_path / "o" / "report.json").read_text())["config"]["max_new_tokens"] == 4
+
+
+@pytest.fixture(scope="module")
+def foreign_draft(tmp_path_factory):
+    """A draft whose tokenizer names a different EOS token: incompatible with the tiny target."""
+    from specdec.models import save_model
+
+    tok = tiny_tokenizer()
+    tok.eos_token = "<s>"
+    return str(save_model(tiny_llama(seed=1, layers=1), tok, tmp_path_factory.mktemp("foreign") / "draft"))
+
+
+def _bad_prompts(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "p.jsonl"
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--num-draft-tokens", "0"], "num_draft_tokens must be integers >= 1"),
+        (["--num-draft-tokens", "2,-1"], "num_draft_tokens must be integers >= 1"),
+        (["recommend_by=accuracy"], "unknown recommend_by metric"),
+        (["plot_format=gif"], "unknown plot_format"),
+        (["--temperature", "-1"], "temperature must be >= 0"),
+        (["no_such_key=1"], "unknown config key"),
+        (["--batch-size", "0"], "batch_size must be integers >= 1"),
+    ],
+)
+def test_eval_bad_options_exit_2_with_the_fix(tiny_checkpoints, tmp_path, capsys, args, message):
+    assert _eval(tiny_checkpoints, tmp_path, *args) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("", "is empty"), ('{"prompt": "the day"}\nnot json\n', "line 2 is not valid JSON"),
+     ('{"text": "the day"}\n', "none of which holds a prompt")],
+)
+def test_eval_bad_prompt_files_exit_2(tiny_checkpoints, tmp_path, capsys, text, message):
+    ckpt = {**tiny_checkpoints, "prompts": _bad_prompts(tmp_path, text)}
+    assert _eval(ckpt, tmp_path / "out") == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out" / "report.json").exists()
+
+
+def test_eval_incompatible_draft_exits_2(tiny_checkpoints, foreign_draft, tmp_path, capsys):
+    assert _eval({**tiny_checkpoints, "draft": foreign_draft}, tmp_path) == 2
+    err = capsys.readouterr().err
+    assert "tokenizer differs from the target's" in err and "eos_token" in err
+
+
+def test_eval_missing_draft_and_out(tiny_checkpoints, tmp_path, capsys):
+    assert main(["eval", "--target", tiny_checkpoints["target"], "--prompts", tiny_checkpoints["prompts"]]) == 2
+    assert "pass --draft" in capsys.readouterr().err
+    assert main(["eval", "--target", tiny_checkpoints["target"], "--draft", tiny_checkpoints["draft"],
+                 "--prompts", tiny_checkpoints["prompts"]]) == 2
+    assert "--out DIR" in capsys.readouterr().err
+    assert main(["eval", "--help"]) == 0

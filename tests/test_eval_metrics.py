@@ -1,0 +1,141 @@
+"""Unit tests of eval's pure pieces: metrics, the decision, greedy equivalence and the statistics of verify."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from eval import decision, equivalence, metrics
+from eval.verify import chi2_sf, goodness_of_fit, homogeneity, pool_cells, tv_tolerance
+
+
+def test_percentiles_interpolate_linearly():
+    values = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    assert metrics.percentile(values, 50) == pytest.approx(5.5)
+    assert metrics.percentile(values, 0) == 1 and metrics.percentile(values, 100) == 10
+    assert metrics.percentile(values, 95) == pytest.approx(9.55)
+    assert metrics.percentiles([3.0], (50, 99)) == {"p50": 3.0, "p99": 3.0}
+    assert metrics.percentiles([], (50,)) == {"p50": None}
+    with pytest.raises(ValueError):
+        metrics.percentile(values, 101)
+
+
+def test_ttft_and_itl_spread_each_step_over_its_tokens():
+    ttft, itl = metrics.ttft_and_itl([(0.5, 1), (0.7, 1), (1.3, 3), (1.3, 0)])
+    assert ttft == 0.5
+    assert itl == pytest.approx([0.2, 0.2, 0.2, 0.2])
+    assert metrics.ttft_and_itl([]) == (None, [])
+
+
+def test_throughput_and_speedup():
+    assert metrics.tokens_per_second(100, 4.0) == 25.0
+    assert metrics.tokens_per_second(5, 0.0) == 0.0
+    assert metrics.speedup(3.0, 2.0) == 1.5
+    with pytest.raises(ValueError):
+        metrics.speedup(1.0, 0.0)
+
+
+def test_expected_tokens_and_analytical_speedup_match_the_closed_form():
+    assert metrics.expected_tokens_per_round([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
+    assert metrics.expected_tokens_per_round([1.0, 0.0, 1.0]) == 2.0
+    for alpha, k, c in [(0.6, 4, 0.1), (0.8, 2, 0.3), (1.0, 3, 0.05)]:
+        general = metrics.analytical_speedup([alpha] * k, c, 1.0)
+        assert general == pytest.approx(metrics.leviathan_speedup(alpha, k, c))
+    # a zero-cost draft and free verification of k+1 tokens: speedup = tau_hat
+    assert metrics.analytical_speedup([1.0, 1.0], 0.0, 1.0) == 3.0
+    assert metrics.analytical_speedup([0.5], 0.2, 2.0) == pytest.approx(1.5 / 2.2)
+    with pytest.raises(ValueError):
+        metrics.analytical_speedup([], 0.1)
+
+
+def test_generated_lengths_and_first_mismatch():
+    assert metrics.generated_lengths([[5, 6, 2, 0, 0], [5, 6, 7]], eos_token_id=2) == [3, 3]
+    assert metrics.generated_lengths([[2, 2]], eos_token_id=[9, 2]) == [1]
+    assert metrics.generated_lengths([[4, 2]], eos_token_id=None) == [2]
+    assert metrics.first_mismatch([1, 2, 3], [1, 2, 3]) is None
+    assert metrics.first_mismatch([1, 2, 3], [1, 9, 3]) == 1
+    assert metrics.first_mismatch([1, 2], [1, 2, 3]) == 2
+
+
+def test_memory_overhead_adds_the_draft_weights_back():
+    assert metrics.memory_overhead_mb(1000.0, 1030.0, 50.0) == 80.0
+    assert metrics.memory_overhead_mb(1000.0, 990.0, 50.0) == 50.0
+
+
+def test_cdf():
+    xs, ys = metrics.cdf([3, 1, 2])
+    assert xs == [1, 2, 3] and ys == pytest.approx([1 / 3, 2 / 3, 1])
+
+
+@pytest.mark.parametrize(
+    ("acc", "speedup", "eq", "overhead", "verdict", "failing"),
+    [
+        (0.6, 1.2, True, 55.0, "enable", []),
+        (0.4, 1.2, True, 55.0, "keep-target-only", ["acceptance_rate"]),
+        (0.6, 1.05, True, 55.0, "keep-target-only", ["speedup"]),
+        (0.6, 1.2, False, 55.0, "keep-target-only", ["equivalence"]),
+        (0.6, 1.2, None, 55.0, "keep-target-only", ["equivalence"]),
+        (0.6, 1.2, True, 61.0, "keep-target-only", ["memory"]),
+        (0.5, 1.1, True, 60.0, "enable", []),  # thresholds are inclusive
+    ],
+)
+def test_decision_needs_every_check(acc, speedup, eq, overhead, verdict, failing):
+    out = decision.decide(acc, speedup, eq, overhead, draft_weights_mb=50.0)
+    assert out["verdict"] == verdict
+    assert sorted(k for k, ok in out["checks"].items() if not ok) == failing
+    assert len(out["reasons"]) == 4
+    assert sum("FAILS" in r for r in out["reasons"]) == len(failing)
+
+
+def test_decision_fallback_and_threshold_validation():
+    out = decision.decide(0.9, 2.0, True, 1.0, 50.0, fallback=True)
+    assert out["verdict"] == "keep-target-only" and "fell back" in out["reasons"][-1]
+    with pytest.raises(ValueError, match="min_acceptance_rate"):
+        decision.Thresholds(min_acceptance_rate=1.5)
+    assert decision.decide(0.3, 1.0, True, 0.0, 1.0, decision.Thresholds(0.2, 0.9, 0.0))["verdict"] == "enable"
+
+
+def test_greedy_equivalence_lists_first_differing_position():
+    out = equivalence.greedy_equivalence(["a", "b", "c"], [[1, 2, 3], [1, 2], [4]], [[1, 2, 3], [1, 5], [4, 2]])
+    assert out["mode"] == "greedy" and out["checked"] == 3 and out["mismatches"] == 2 and not out["passed"]
+    assert out["mismatched_prompts"][0] == {"prompt_id": "b", "position": 1, "baseline_token": 2, "speculative_token": 5}
+    assert out["mismatched_prompts"][1]["position"] == 1 and out["mismatched_prompts"][1]["baseline_token"] is None
+    assert equivalence.greedy_equivalence(["a"], [[1]], [[1]])["passed"]
+
+
+def test_chi2_sf_matches_scipy():
+    stats = pytest.importorskip("scipy.stats")
+    for x, dof in [(0.5, 1), (3.0, 2), (25.0, 10), (120.0, 99), (1e-6, 4)]:
+        assert chi2_sf(x, dof) == pytest.approx(stats.chi2.sf(x, dof), rel=1e-6, abs=1e-12)
+    assert chi2_sf(10.0, 0) == 1.0
+
+
+def test_pool_cells_merges_small_expected_counts():
+    e, o = pool_cells(torch.tensor([50.0, 30.0, 2.0, 1.0, 1.5]), torch.tensor([48.0, 33.0, 3.0, 0.0, 1.0]))
+    # 2 + 1 + 1.5 = 4.5 is still < 5, so the pooled cell joins the smallest kept cell
+    assert e.tolist() == [50.0, 34.5] and o.tolist() == [48.0, 37.0]
+    e, o = pool_cells(torch.tensor([50.0, 3.0, 3.0]), torch.tensor([49.0, 4.0, 3.0]))
+    assert e.tolist() == [50.0, 6.0] and o.tolist() == [49.0, 7.0]
+
+
+def test_goodness_of_fit_accepts_the_truth_and_rejects_a_shifted_law():
+    g = torch.Generator().manual_seed(0)
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    draws = torch.multinomial(p, 4000, replacement=True, generator=g)
+    good = goodness_of_fit(torch.bincount(draws, minlength=4), p)
+    assert good["p_value"] > 1e-3 and good["tv"] <= good["tv_tolerance"] and good["dof"] == 3
+    bad = goodness_of_fit(torch.bincount(draws, minlength=4), torch.tensor([0.4, 0.4, 0.15, 0.05]))
+    assert bad["p_value"] < 1e-6
+    impossible = goodness_of_fit(torch.tensor([10, 0, 0, 1]), torch.tensor([0.5, 0.3, 0.2, 0.0]))
+    assert impossible["p_value"] == 0.0 and impossible["impossible_samples"] == 1
+    other = torch.bincount(torch.multinomial(p, 4000, replacement=True, generator=g), minlength=4)
+    assert homogeneity(torch.bincount(draws, minlength=4), other)["p_value"] > 1e-3
+
+
+def test_tv_tolerance_shrinks_with_samples():
+    p = torch.full((10,), 0.1)
+    assert tv_tolerance(p, 100) > tv_tolerance(p, 10000)
+    expected = 0.5 * 10 * math.sqrt(0.09 / 10000) + math.sqrt(math.log(1000) / 20000)
+    assert tv_tolerance(p, 10000) == pytest.approx(expected)

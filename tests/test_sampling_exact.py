@@ -1,0 +1,135 @@
+"""Sampled speculative decoding is distributed as the target: chi-square against the exact distribution.
+
+The exact joint distribution of the first M generated tokens is enumerated from the target (small vocabulary),
+samples come from `speculative_generate`, and a chi-square test at ALPHA (fixed before any run; the generator
+is seeded, so each test is deterministic) compares them. A deliberately wrong sampler must fail the same test.
+"""
+
+import pytest
+import torch
+from conftest import tiny_llama
+from scipy import stats as scipy_stats
+
+import specdec.verify
+from specdec import SamplingConfig, speculative_generate
+from specdec.sampling import probabilities
+from specdec.vocab import apply_reduced_head
+
+ALPHA = 1e-3
+VOCAB = 16
+M = 3  # tokens whose joint distribution is tested
+SETTINGS = [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_p=0.9)]
+PROMPTS = [[3, 4, 5], [7, 8], [9, 10, 11, 12]]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_llama(seed=0, vocab_size=VOCAB, hidden=16, dtype=torch.float32)
+    draft = tiny_llama(seed=1, vocab_size=VOCAB, hidden=16, layers=1, dtype=torch.float32)
+    return target, draft
+
+
+@torch.inference_mode()
+def exact_joint(target, prompt: list[int], sampling: SamplingConfig) -> torch.Tensor:
+    """P(first M generated tokens) under the warped target, by enumeration.  -> [V ** M]"""
+    joint = torch.ones(1, dtype=torch.float64)
+    prefixes = torch.tensor([prompt])
+    for _ in range(M):
+        logits = target(input_ids=prefixes).logits[:, -1]  # [V^i, V]
+        step = probabilities(logits, sampling).double()
+        joint = (joint[:, None] * step).reshape(-1)
+        prefixes = torch.cat([prefixes.repeat_interleave(VOCAB, 0), torch.arange(VOCAB).repeat(len(prefixes))[:, None]], 1)
+    return joint
+
+
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float, int]:
+    """(statistic, dof, p-value) with cells of expected count < 5 pooled into one."""
+    expected = probs * counts.sum()
+    small = expected < 5
+    obs = torch.cat([counts[~small].double(), counts[small].double().sum().reshape(1)])
+    exp = torch.cat([expected[~small], expected[small].sum().reshape(1)])
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    statistic = float(((obs - exp) ** 2 / exp).sum())
+    dof = int(keep.sum()) - 1
+    return statistic, dof, float(scipy_stats.chi2.sf(statistic, dof))
+
+
+def left_pad(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def sample_counts(target, draft, prompts, sampling, k, calls, copies, seed) -> list[torch.Tensor]:
+    """Counts of the first M tokens per distinct prompt, over calls x copies samples each."""
+    ids, mask = left_pad([p for p in prompts for _ in range(copies)])
+    if len(prompts) == 1:
+        mask = None
+    g = torch.Generator().manual_seed(seed)
+    counts = [torch.zeros(VOCAB**M, dtype=torch.long) for _ in prompts]
+    for _ in range(calls):
+        out = speculative_generate(target, draft, ids, mask, num_draft_tokens=k, sampling=sampling,
+                                   max_new_tokens=M + 1, generator=g)
+        first = out.sequences[:, out.prompt_length: out.prompt_length + M]
+        index = (first * torch.tensor([VOCAB**2, VOCAB, 1])).sum(1)
+        for j in range(len(prompts)):
+            counts[j] += torch.bincount(index[j * copies:(j + 1) * copies], minlength=VOCAB**M)
+    return counts
+
+
+def combined_p(target, prompts, sampling, counts) -> float:
+    """One chi-square over independent rows: statistics and degrees of freedom add up."""
+    parts = [chi_square_p(c, exact_joint(target, p, sampling)) for p, c in zip(prompts, counts)]
+    return float(scipy_stats.chi2.sf(sum(s for s, _, _ in parts), sum(d for _, d, _ in parts)))
+
+
+@pytest.mark.parametrize("sampling", SETTINGS, ids=["t1.0", "t0.7-p0.9"])
+@pytest.mark.parametrize("k", [1, 2])
+def test_many_rows_of_one_prompt_match_the_target(pair, sampling, k):
+    """20,000 samples as 10 calls of 2,000 rows: rows accept different counts (rule 5)."""
+    target, draft = pair
+    counts = sample_counts(target, draft, PROMPTS[:1], sampling, k, calls=10, copies=2000, seed=k)
+    assert combined_p(target, PROMPTS[:1], sampling, counts) > ALPHA
+
+
+@pytest.mark.parametrize("sampling", SETTINGS, ids=["t1.0", "t0.7-p0.9"])
+def test_ragged_left_padded_rows_match_the_target(pair, sampling):
+    target, draft = pair
+    counts = sample_counts(target, draft, PROMPTS, sampling, k=2, calls=10, copies=700, seed=5)
+    assert combined_p(target, PROMPTS, sampling, counts) > ALPHA
+
+
+def test_reduced_vocabulary_draft_matches_the_target(pair):
+    target, _ = pair
+    reduced = apply_reduced_head(tiny_llama(seed=1, vocab_size=VOCAB, hidden=16, layers=1, dtype=torch.float32),
+                                 torch.tensor([0, 2, 3, 5, 8, 9, 12, 15]))
+    counts = sample_counts(target, reduced, PROMPTS[:1], SETTINGS[0], k=2, calls=10, copies=2000, seed=3)
+    assert combined_p(target, PROMPTS[:1], SETTINGS[0], counts) > ALPHA
+
+
+def test_the_test_catches_a_wrong_residual(pair, monkeypatch):
+    """Resampling from p instead of norm(max(p - q, 0)) after a rejection is a classic bug: it must fail."""
+    target, draft = pair
+    monkeypatch.setattr(specdec.verify, "residual_distribution", lambda p, q: p)
+    counts = sample_counts(target, draft, PROMPTS[:1], SETTINGS[0], k=2, calls=10, copies=2000, seed=1)
+    assert combined_p(target, PROMPTS[:1], SETTINGS[0], counts) < ALPHA
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampling", SETTINGS, ids=["t1.0", "t0.7-p0.9"])
+def test_batch_one_matches_the_target(pair, sampling):
+    """20,000 separate batch-1 calls: every round advances by its own accepted count."""
+    target, draft = pair
+    counts = sample_counts(target, draft, PROMPTS[:1], sampling, k=2, calls=20_000, copies=1, seed=11)
+    assert combined_p(target, PROMPTS[:1], sampling, counts) > ALPHA
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampling", SETTINGS, ids=["t1.0", "t0.7-p0.9"])
+def test_batch_three_matches_the_target(pair, sampling):
+    """Batches of 3 different left-padded prompts, 7,000 calls: 21,000 samples."""
+    target, draft = pair
+    counts = sample_counts(target, draft, PROMPTS, sampling, k=2, calls=7_000, copies=1, seed=13)
+    assert combined_p(target, PROMPTS, sampling, counts) > ALPHA

@@ -1,0 +1,301 @@
+"""The distillation trainer: schedule, batching, in-process runs of each teacher mode, the real entry points
+(`python -m train`, `accelerate launch --num_processes 2 --cpu -m train`), and kill-and-resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import tiny_llama, tiny_tokenizer, write_generated_data
+
+from specdec.models import load_model
+from specdec.vocab import draft_to_target_map
+from train import distill
+from train.distill import Schedule, TrainConfig, collate, epoch_batches
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models run fastest on one thread (and then do not fight other processes for a shared CPU)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """A tiny target + tokenizer saved as a checkpoint, a pretrained tiny draft, train and held-out data."""
+    root = tmp_path_factory.mktemp("train")
+    target = tiny_llama(seed=0, layers=2, dtype=torch.float32)
+    tok = tiny_tokenizer()
+    target.save_pretrained(root / "target")
+    tok.save_pretrained(root / "target")
+    small = tiny_llama(seed=7, layers=1, dtype=torch.float32)
+    small.save_pretrained(root / "small")
+    tok.save_pretrained(root / "small")
+    write_generated_data(root / "data", target, 24, seed=1)
+    write_generated_data(root / "heldout", target, 6, seed=2)
+    return root
+
+
+def _cfg(ws: Path, out: Path, **kw) -> TrainConfig:
+    base = dict(target=str(ws / "target"), train_data=str(ws / "data"), heldout_data=str(ws / "heldout"),
+                output_dir=str(out), device="cpu", draft_layers=[0], max_steps=3, per_device_batch_size=4,
+                warmup_steps=1, log_every=1, eval_every=2, save_every=2, eval_samples=6, eval_batch_size=3,
+                learning_rate=1e-2)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    """Each in-process run builds its own Accelerator (the state is a process-wide singleton)."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+
+
+# ---- pure parts ------------------------------------------------------------------------------------------
+
+
+def test_schedule_is_deterministic_and_covers_each_epoch_once():
+    lengths = [5 + (i * 7) % 23 for i in range(50)]
+    s1, s2 = Schedule(lengths, 8, seed=3, bucket=True), Schedule(lengths, 8, seed=3, bucket=True)
+    per_epoch = 50 // 8
+    epoch0 = [i for m in range(per_epoch) for i in s1(m)]
+    assert len(epoch0) == len(set(epoch0)) == per_epoch * 8
+    assert [s2(m) for m in reversed(range(2 * per_epoch))] == [s1(m) for m in reversed(range(2 * per_epoch))]
+    assert s1(per_epoch) != s1(0)  # a new epoch is a new permutation
+    # Bucketing: batches are far more uniform in length than random batches.
+    spread = sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in epoch_batches(lengths, 8, 0, 0, True))
+    plain = sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in epoch_batches(lengths, 8, 0, 0, False))
+    assert spread < plain
+    with pytest.raises(ValueError, match="global batch"):
+        Schedule(lengths[:3], 8, seed=0, bucket=True)
+
+
+def test_collate_masks_completion_positions_and_aligns_topn():
+    rows = {"input_ids": [[10, 11, 12, 13, 14], [20, 21, 22]], "prompt_length": [2, 2],
+            "top_ids": [[[12, 1], [13, 1], [14, 1]], [[22, 3]]],
+            "top_logprobs": [[[-0.1, -3.0], [-0.2, -3.0], [-0.3, -3.0]], [[-0.4, -2.0]]]}
+    b = collate(rows, pad_id=0, max_length=64)
+    assert b["input_ids"].tolist() == [[10, 11, 12, 13, 14], [20, 21, 22, 0, 0]]
+    # logits position t predicts token t + 1: completion tokens 12 13 14 are predicted at 1 2 3.
+    assert b["loss_mask"].tolist() == [[False, True, True, True, False], [False, True, False, False, False]]
+    assert b["labels"][0, 1:4].tolist() == [12, 13, 14] and b["labels"][1, 1] == 22
+    assert b["top_ids"][0, 1:4, 0].tolist() == [12, 13, 14] and b["top_ids"][1, 1, 0] == 22
+    assert b["n_tokens"] == 4
+    cut = collate(rows, pad_id=0, max_length=4)  # truncation drops the completion's tail
+    assert cut["loss_mask"][0].tolist() == [False, True, True, False]
+
+
+def test_config_validation_is_actionable():
+    with pytest.raises(ValueError, match="teacher must be one of"):
+        TrainConfig(teacher="sometimes")
+    with pytest.raises(ValueError, match="best_k"):
+        TrainConfig(eval_k=[1, 2], best_k=4)
+    with pytest.raises(ValueError, match="beta"):
+        TrainConfig(beta=2.0)
+
+
+# ---- in-process runs -------------------------------------------------------------------------------------
+
+
+def test_online_derived_run_writes_final_best_and_checkpoints(workspace, tmp_path):
+    cfg = _cfg(workspace, tmp_path / "run", record_consumed=True)
+    final = distill.run(cfg)
+    out = Path(cfg.output_dir)
+    assert final == out / "final" and (final / "config.json").is_file() and (final / "tokenizer.json").is_file()
+    draft = load_model(str(final), dtype="float32", device="cpu")
+    assert draft.config.num_hidden_layers == 1
+    history = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in history] == [0, 2, 3]
+    assert all(0.0 <= h["alpha"] <= 1.0 and 1.0 <= h["tau"]["4"] <= 5.0 for h in history)
+    assert (out / "best" / "config.json").is_file()
+    best = json.loads((out / "best" / "specdec_best.json").read_text())
+    assert best["tau"]["4"] == max(h["tau"]["4"] for h in history if h["step"] > 0)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2", "step-3"]
+    steps = [json.loads(line)["step"] for line in (out / "consumed" / "rank-0.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+
+
+def test_offline_topn_reduced_vocab_jsd(workspace, tmp_path):
+    cfg = _cfg(workspace, tmp_path / "run", teacher="offline", loss="jsd", beta=0.5, draft_vocab_size=40,
+               grad_accum_steps=2, save_every=0, eval_every=0)
+    final = distill.run(cfg)
+    draft = load_model(str(final), dtype="float32", device="cpu")
+    id_map = draft_to_target_map(draft)
+    assert id_map is not None and id_map.numel() == 40 and 2 in id_map.tolist()  # eos is always kept
+    history = [json.loads(line) for line in (Path(cfg.output_dir) / "eval.jsonl").read_text().splitlines()]
+    assert history[-1]["alpha_is_lower_bound"] is True
+
+
+def test_on_policy_tvd_with_lambda_one(workspace, tmp_path):
+    cfg = _cfg(workspace, tmp_path / "run", teacher="on_policy", on_policy_fraction=1.0, on_policy_max_new_tokens=4,
+               loss="tvd", max_steps=2, save_every=0, eval_every=0)
+    assert (distill.run(cfg) / "config.json").is_file()
+
+
+def test_lora_on_pretrained_draft_with_ce(workspace, tmp_path):
+    cfg = _cfg(workspace, tmp_path / "run", draft=str(workspace / "small"), lora=True, lora_r=4, loss="ce",
+               teacher="offline", max_steps=2, save_every=0, eval_every=0)
+    final = distill.run(cfg)
+    assert not (final / "adapter_config.json").exists()  # merged: a plain checkpoint
+    assert load_model(str(final), dtype="float32", device="cpu").config.num_hidden_layers == 1
+
+
+def test_training_moves_the_draft_towards_the_target(workspace, tmp_path):
+    """Forward KL on one repeated batch must go down (the loop really optimises)."""
+    cfg = _cfg(workspace, tmp_path / "run", max_steps=12, eval_every=0, save_every=0, eval_samples=0,
+               draft="scratch", draft_config={"num_hidden_layers": 1}, learning_rate=1e-2, warmup_steps=0,
+               per_device_batch_size=24, log_every=1)
+    records = []
+
+    class Grab:
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    import logging
+
+    handler = logging.Handler()
+    handler.emit = Grab().emit
+    logging.getLogger("train.distill").addHandler(handler)
+    logging.getLogger("train.distill").setLevel(logging.INFO)
+    try:
+        distill.run(cfg)
+    finally:
+        logging.getLogger("train.distill").removeHandler(handler)
+    losses_ = [float(r.split("loss ")[1].split()[0]) for r in records if r.startswith("step ") and " loss " in r]
+    assert len(losses_) == 12 and losses_[-1] < 0.7 * losses_[0]
+
+
+def test_missing_data_and_wandb_errors(workspace, tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="specdec data"):
+        distill.run(_cfg(workspace, tmp_path / "a", train_data=str(tmp_path / "none")))
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_wandb(name, *args, **kwargs):
+        if name == "wandb":
+            raise ImportError("no wandb")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_wandb)
+    with pytest.raises(ValueError, match=r"pip install specdec\[wandb\]"):
+        distill._wandb_run(_cfg(workspace, tmp_path / "b", report_to="wandb"))
+
+
+def test_wandb_offline(workspace, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = _cfg(workspace, tmp_path / "run", report_to="wandb", max_steps=2, save_every=0, eval_every=0)
+    distill.run(cfg)
+    assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+
+
+# ---- the real entry points (subprocesses) ----------------------------------------------------------------
+
+
+def _recipe(ws: Path, path: Path, out: Path, **train) -> Path:
+    body = {"target": str(ws / "target"), "draft": "derived", "seed": 0, "output_dir": str(out), "device": "cpu",
+            "data": {"prompts": "embedded:train"},
+            "train": {"train_data": str(ws / "data"), "heldout_data": str(ws / "heldout"), "draft_layers": [0],
+                      "per_device_batch_size": 2, "warmup_steps": 1, "log_every": 1, "eval_samples": 4,
+                      "eval_batch_size": 2, "record_consumed": True, **train}}
+    path.write_text(yaml.safe_dump(body))
+    return path
+
+
+def _env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT))
+    env.pop("WANDB_MODE", None)
+    return env
+
+
+def _consumed(out: Path, rank: int = 0) -> list[dict]:
+    return [json.loads(line) for line in (out / "consumed" / f"rank-{rank}.jsonl").read_text().splitlines()]
+
+
+def test_python_dash_m_train_two_steps(workspace, tmp_path):
+    recipe = _recipe(workspace, tmp_path / "r.yaml", tmp_path / "out", max_steps=5, eval_every=0, save_every=0)
+    proc = subprocess.run([sys.executable, "-m", "train", "--config", str(recipe), "max_steps=2",
+                           "--learning-rate", "0.001"], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "train_summary.json").read_text())
+    assert summary["steps"] == 2 and summary["config"]["learning_rate"] == 0.001
+    bad = subprocess.run([sys.executable, "-m", "train", "--config", str(recipe), "teacher=nope"], cwd=ROOT,
+                         env=_env(), capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "teacher must be one of" in bad.stderr
+
+
+def test_accelerate_launch_two_cpu_processes(workspace, tmp_path):
+    recipe = _recipe(workspace, tmp_path / "r.yaml", tmp_path / "out", max_steps=2, eval_every=0, save_every=0)
+    # accelerate 1.x runs `--cpu --num_processes 2` as ONE process unless MPI is set up; torchrun (`--multi_gpu`)
+    # with device=cpu gives two gloo processes (accelerate's MULTI_CPU), which is what this test needs.
+    proc = subprocess.run(["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+                           "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "train", "--config", str(recipe)],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = tmp_path / "out"
+    assert (out / "final" / "config.json").is_file()
+    r0, r1 = _consumed(out, 0), _consumed(out, 1)
+    assert [r["step"] for r in r0] == [r["step"] for r in r1] == [1, 2]
+    ids0 = {i for r in r0 for i in r["ids"]}
+    ids1 = {i for r in r1 for i in r["ids"]}
+    assert len(ids0) == len(ids1) == 4 and not ids0 & ids1  # the ranks see disjoint halves of each batch
+
+
+def test_kill_and_resume_continues_the_data_order(workspace, tmp_path):
+    """A run killed after checkpoint step-4 resumes at step 5 and consumes exactly what an uninterrupted run does."""
+    ref_recipe = _recipe(workspace, tmp_path / "ref.yaml", tmp_path / "ref", max_steps=10, save_every=2,
+                         eval_every=0, eval_samples=0)
+    subprocess.run([sys.executable, "-m", "train", "--config", str(ref_recipe)], cwd=ROOT, env=_env(), check=True,
+                   capture_output=True, timeout=300)
+    reference = [(r["step"], r["ids"]) for r in _consumed(tmp_path / "ref")]
+    assert [s for s, _ in reference] == list(range(1, 11))
+
+    out = tmp_path / "run"
+    recipe = _recipe(workspace, tmp_path / "run.yaml", out, max_steps=100_000, save_every=2, eval_every=0,
+                     eval_samples=0)
+    proc = subprocess.Popen([sys.executable, "-m", "train", "--config", str(recipe)], cwd=ROOT, env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        marker = out / "checkpoints" / "step-4" / "trainer_state.json"
+        deadline = time.monotonic() + 240
+        while not marker.is_file() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.is_file(), proc.stderr.read().decode()[-3000:] if proc.poll() is not None else "no step-4"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    killed_at = max(r["step"] for r in _consumed(out))
+    assert killed_at >= 4
+
+    # The same run, continued; only max_steps shrinks so it ends (data order does not depend on it).
+    done = subprocess.run([sys.executable, "-m", "train", "--config", str(recipe), "resume_from=latest",
+                           "max_steps=10"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    resumed_from = int(json.loads((out / "checkpoints" / "step-10" / "trainer_state.json").read_text())["step"])
+    assert resumed_from == 10
+    assert "resumed from" in done.stderr and "at step " in done.stderr
+    start = int(done.stderr.split("at step ")[1].split()[0])
+    assert start >= 4 and start % 2 == 0
+    got = [(r["step"], r["ids"]) for r in _consumed(out)]
+    assert got == reference  # steps 1..10 once each, each with the same samples as the uninterrupted run

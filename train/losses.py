@@ -1,0 +1,210 @@
+"""Distillation losses and acceptance metrics: pure functions over logits.
+
+Conventions (DESIGN.md): `p` is the target (teacher) distribution, `q` the draft (student) distribution.
+Every loss takes `student_logits` and `teacher_logits` of shape [..., V] and an optional boolean `mask` [...]
+that selects the positions to average over (completion tokens). Masked positions are dropped *before* any
+softmax, so padded rows can hold anything, and the result is the mean over the selected positions.
+
+Teacher logits may hold -inf entries: that is how a truncated teacher is expressed (offline top-n
+log-probabilities, see `dense_teacher_logits`). Terms with p(x) = 0 contribute 0, as in the maths.
+
+The generalized JSD follows TRL's GKD `generalized_jsd_loss` (Agarwal et al. 2024, eq. 1):
+    M = beta * p + (1 - beta) * q,   JSD(beta) = beta * KL(p || M) + (1 - beta) * KL(q || M),
+with beta = 0 defined as forward KL(p || q) and beta = 1 as reverse KL(q || p) (the limits of JSD(beta) / beta
+and JSD(beta) / (1 - beta)). Temperature divides both logits before the softmax (no T^2 factor).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+LOSSES = ("fkl", "rkl", "jsd", "tvd", "ce")
+
+
+def _select(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """[..., V] -> [N, V]: the masked positions only (all positions when mask is None)."""
+    if mask is None:
+        return x.reshape(-1, x.shape[-1])
+    return x[mask.bool()]
+
+
+def _log_probs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log-softmax in float32 (-inf entries stay -inf).  [N, V] -> [N, V]"""
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return F.log_softmax(logits, dim=-1)
+
+
+def _kl(logp_a: torch.Tensor, logp_b: torch.Tensor) -> torch.Tensor:
+    """KL(a || b) per row, with 0 * log(0 / x) = 0.  [N, V] x2 -> [N]"""
+    a = logp_a.exp()
+    # where() rather than multiplication: a(x) = 0 with log a(x) = -inf would give 0 * -inf = nan.
+    diff = torch.where(a > 0, logp_a - logp_b, torch.zeros_like(logp_a))
+    return (a * diff).sum(dim=-1)
+
+
+def _mean(values: torch.Tensor) -> torch.Tensor:
+    """Mean over positions; 0 (with a graph) when there are none."""
+    return values.sum() / max(values.numel(), 1)
+
+
+def forward_kl(student_logits, teacher_logits, mask=None, temperature: float = 1.0) -> torch.Tensor:
+    """KL(p || q), mean over masked positions (mass-covering; the classic KD loss)."""
+    logq = _log_probs(_select(student_logits, mask), temperature)
+    logp = _log_probs(_select(teacher_logits, mask), temperature)
+    return _mean(_kl(logp, logq))
+
+
+def reverse_kl(student_logits, teacher_logits, mask=None, temperature: float = 1.0) -> torch.Tensor:
+    """KL(q || p), mean over masked positions (mode-seeking).
+
+    Where the teacher is truncated (-inf, offline top-n) the student is restricted to the teacher's support
+    and renormalised there (as TRL's GOLD top-k does); otherwise the divergence would be infinite.
+    """
+    s = _select(student_logits, mask).float()
+    t = _select(teacher_logits, mask).float()
+    s = s.masked_fill(torch.isneginf(t), float("-inf"))
+    return _mean(_kl(_log_probs(s, temperature), _log_probs(t, temperature)))
+
+
+def generalized_jsd(student_logits, teacher_logits, mask=None, beta: float = 0.5,
+                    temperature: float = 1.0) -> torch.Tensor:
+    """Generalized Jensen-Shannon divergence (TRL GKD convention): 0 -> forward KL, 1 -> reverse KL."""
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be in [0, 1] (0 = forward KL, 1 = reverse KL), got {beta}")
+    if beta == 0.0:
+        return forward_kl(student_logits, teacher_logits, mask, temperature)
+    if beta == 1.0:
+        return reverse_kl(student_logits, teacher_logits, mask, temperature)
+    logq = _log_probs(_select(student_logits, mask), temperature)
+    logp = _log_probs(_select(teacher_logits, mask), temperature)
+    logm = torch.logsumexp(torch.stack([logq + math.log(1.0 - beta), logp + math.log(beta)]), dim=0)
+    return _mean(beta * _kl(logp, logm) + (1.0 - beta) * _kl(logq, logm))
+
+
+def total_variation(student_logits, teacher_logits, mask=None, temperature: float = 1.0) -> torch.Tensor:
+    """TVD = 1 - sum_x min(p(x), q(x)) = 1 - expected acceptance alpha; minimising it maximises alpha."""
+    q = _log_probs(_select(student_logits, mask), temperature).exp()
+    p = _log_probs(_select(teacher_logits, mask), temperature).exp()
+    return _mean(1.0 - torch.minimum(p, q).sum(dim=-1))
+
+
+def cross_entropy(student_logits, targets, mask=None) -> torch.Tensor:
+    """-log q(target token), mean over masked positions (sequence-level KD on the target's tokens)."""
+    logq = _log_probs(_select(student_logits, mask))
+    ids = targets.reshape(-1) if mask is None else targets[mask.bool()]
+    return _mean(-logq.gather(-1, ids.unsqueeze(-1)).squeeze(-1))
+
+
+def distill_loss(name: str, student_logits, teacher_logits, mask=None, beta: float = 0.5,
+                 temperature: float = 1.0) -> torch.Tensor:
+    """Dispatch a divergence by name: fkl, rkl, jsd, tvd (ce needs targets: use `cross_entropy`)."""
+    if name == "fkl":
+        return forward_kl(student_logits, teacher_logits, mask, temperature)
+    if name == "rkl":
+        return reverse_kl(student_logits, teacher_logits, mask, temperature)
+    if name == "jsd":
+        return generalized_jsd(student_logits, teacher_logits, mask, beta, temperature)
+    if name == "tvd":
+        return total_variation(student_logits, teacher_logits, mask, temperature)
+    raise ValueError(f"unknown divergence {name!r}; use one of fkl, rkl, jsd, tvd (or ce with targets)")
+
+
+# ---- teacher signal in the draft's vocabulary ------------------------------------------------------------
+
+
+def restrict_teacher(teacher_logits: torch.Tensor, draft_to_target: torch.Tensor | None) -> torch.Tensor:
+    """Teacher logits in the draft's vocabulary.  [..., V_target] -> [..., N]
+
+    For a reduced-vocabulary draft the teacher is restricted to the kept ids and (by the later softmax)
+    renormalised over them: the draft cannot place mass elsewhere, so the loss asks it to match p
+    conditioned on the kept set. The acceptance metrics below do NOT renormalise (see `acceptance_alpha`).
+    """
+    if draft_to_target is None:
+        return teacher_logits
+    return teacher_logits.index_select(-1, draft_to_target.to(teacher_logits.device))
+
+
+def target_to_draft_map(draft_to_target: torch.Tensor | None, target_vocab: int) -> torch.Tensor | None:
+    """Inverse id map [V_target]: draft index of each target id, -1 where the draft has none."""
+    if draft_to_target is None:
+        return None
+    inv = torch.full((target_vocab,), -1, dtype=torch.long, device=draft_to_target.device)
+    inv[draft_to_target] = torch.arange(draft_to_target.numel(), device=draft_to_target.device)
+    return inv
+
+
+def dense_teacher_logits(top_ids: torch.Tensor, top_logprobs: torch.Tensor, vocab: int,
+                         target_to_draft: torch.Tensor | None = None) -> torch.Tensor:
+    """Stored top-n teacher log-probs as dense logits over the draft's vocabulary.  [..., n] -> [..., vocab]
+
+    Ids outside the top-n are -inf, so the softmax renormalises the teacher over its top-n (the offline
+    teacher). With a reduced draft, top-n ids the draft lacks are dropped too (restricted, renormalised).
+    """
+    ids = top_ids.long()
+    logprobs = top_logprobs.float()
+    if target_to_draft is not None:
+        ids = target_to_draft.to(ids.device)[ids]
+    keep = ids >= 0
+    out = torch.full((*ids.shape[:-1], vocab), float("-inf"), dtype=torch.float32, device=ids.device)
+    values = torch.where(keep, logprobs, torch.full_like(logprobs, float("-inf")))
+    # Dropped ids point at slot 0 with value -inf; "amax" keeps slot 0's own value whatever the write order.
+    out.scatter_reduce_(-1, ids.clamp(min=0), values, reduce="amax")
+    return out
+
+
+# ---- acceptance metrics (never renormalised) -------------------------------------------------------------
+
+
+def _draft_probs_in_target_space(draft_logits: torch.Tensor, draft_to_target: torch.Tensor | None,
+                                 target_vocab: int) -> torch.Tensor:
+    """q over target ids (0 outside a reduced draft's kept ids).  [N, V_d] -> [N, V_target]"""
+    q = _log_probs(draft_logits).exp()
+    if draft_to_target is None:
+        width = min(q.shape[-1], target_vocab)
+        out = torch.zeros(q.shape[0], target_vocab, dtype=q.dtype, device=q.device)
+        out[:, :width] = q[:, :width]
+        return out
+    out = torch.zeros(q.shape[0], target_vocab, dtype=q.dtype, device=q.device)
+    out[:, draft_to_target.to(q.device)] = q
+    return out
+
+
+def acceptance_alpha(draft_logits, target_logits, mask=None, draft_to_target=None) -> torch.Tensor:
+    """Expected acceptance alpha = sum_x min(p(x), q(x)) per selected position.  -> [N]
+
+    p is the target's full softmax: mass on ids a reduced draft lacks can never be accepted, and counts so.
+    """
+    p = _log_probs(_select(target_logits, mask)).exp()
+    q = _draft_probs_in_target_space(_select(draft_logits, mask), draft_to_target, p.shape[-1])
+    return torch.minimum(p, q).sum(dim=-1)
+
+
+def acceptance_alpha_topn(draft_logits, top_ids, top_logprobs, mask=None, draft_to_target=None) -> torch.Tensor:
+    """alpha against stored top-n target log-probs (not renormalised): a lower bound.  -> [N]
+
+    The target's mass outside its stored top-n is unknown and counted as not accepted.
+    """
+    d = _select(draft_logits, mask)
+    ids = _select(top_ids, mask).long()
+    p_top = _select(top_logprobs, mask).float().exp()
+    vocab = int(draft_to_target.max()) + 1 if draft_to_target is not None else d.shape[-1]
+    vocab = max(vocab, int(ids.max()) + 1 if ids.numel() else 0)
+    q = _draft_probs_in_target_space(d, draft_to_target, vocab)
+    return torch.minimum(p_top, q.gather(-1, ids)).sum(dim=-1)
+
+
+def draft_argmax_in_target_ids(draft_logits: torch.Tensor, draft_to_target: torch.Tensor | None) -> torch.Tensor:
+    """The draft's greedy token as a target id.  [..., V_d] -> [...]"""
+    top = draft_logits.argmax(dim=-1)
+    return top if draft_to_target is None else draft_to_target.to(top.device)[top]
+
+
+def greedy_agreement(draft_logits, target_logits, mask=None, draft_to_target=None) -> torch.Tensor:
+    """Per selected position: does the draft's argmax equal the target's?  -> bool [N]"""
+    d = draft_argmax_in_target_ids(_select(draft_logits, mask), draft_to_target)
+    return d == _select(target_logits, mask).argmax(dim=-1)

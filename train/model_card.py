@@ -1,0 +1,311 @@
+"""The model card (README.md) of a published draft: Hub YAML metadata, provenance, results, usage snippets.
+
+`render_card(info, report)` is a pure function: everything it states comes from `info` (what `publish` knows
+about the checkpoint) or from `report` (an `specdec eval` report.json). Without a report the card says
+"not measured" and states no figures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import yaml
+
+TAGS = ("speculative-decoding", "draft-model", "assistant-model", "specdec")
+DEFAULT_K = 4  # the snippets' k when no report measured one
+LEAK_WARNING = 0.01  # an expanded head putting more than this mass on dropped ids gets a note in the card
+
+
+@dataclasses.dataclass
+class CardInfo:
+    """What the card says about the exported checkpoint (collected by `train.publish`)."""
+
+    name: str  # title: the Hub repo id, or the output folder's name
+    model_ref: str  # how snippets load the draft: Hub repo id or local path
+    target: str  # the target as the user named it (Hub id, path or the embedded alias)
+    target_ref: str  # how the stock-engine snippets load the target (a Hub id where known)
+    base_model: str | None  # Hub id of the target for the metadata; None when the target is not on the Hub
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    num_parameters: int
+    dtype: str
+    vocab_size: int  # the full (target) vocabulary the draft reads
+    head: str = "full"  # "full", "reduced" (id map, specdec only) or "expanded" (reduced, re-expanded)
+    draft_vocab_size: int | None = None  # kept ids of a reduced/expanded head
+    expansion: dict[str, Any] | None = None  # check of an expanded head: positions, agree, max/median mass
+    recipe: str | None = None
+    data: str | None = None
+    license: str = "apache-2.0"
+    model_on_hub: bool = False  # model_ref is a Hub repo id (the export was pushed)
+
+    def __post_init__(self) -> None:
+        if self.head not in ("full", "reduced", "expanded"):
+            raise ValueError(f"head must be full, reduced or expanded, got {self.head!r}")
+        if self.head != "full" and not self.draft_vocab_size:
+            raise ValueError(f"a {self.head} head needs draft_vocab_size (the number of kept ids)")
+
+
+def _get(tree: dict | None, dotted: str) -> Any:
+    """tree['a']['b'] for 'a.b', or None when any level is missing."""
+    node: Any = tree
+    for key in dotted.split("."):
+        if not isinstance(node, dict) or key not in node:
+            return None
+        node = node[key]
+    return node
+
+
+def _fmt(value: Any, spec: str, suffix: str = "") -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "not reported"
+    return f"{value:{spec}}{suffix}"
+
+
+def metadata(info: CardInfo) -> dict[str, Any]:
+    """The Hub's YAML front matter as a dict."""
+    meta: dict[str, Any] = {}
+    if info.base_model:
+        meta["base_model"] = info.base_model
+    meta.update(
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        license=info.license,
+        tags=list(TAGS),
+    )
+    return meta
+
+
+def num_draft_tokens(report: dict | None) -> int:
+    """k measured by the report, else the snippets' default."""
+    k = _get(report, "config.num_draft_tokens")
+    return int(k) if isinstance(k, int) and not isinstance(k, bool) and k > 0 else DEFAULT_K
+
+
+def _results(report: dict | None) -> list[str]:
+    if report is None:
+        return [
+            "## Results",
+            "",
+            "Not measured: this card was published without an evaluation report. Measure acceptance rate, "
+            "mean accepted tokens and speedup on your own machine with `specdec eval` (snippet below), then "
+            "re-publish with `--report runs/eval/report.json`.",
+            "",
+        ]
+    env = _get(report, "environment") or {}
+    env_text = ", ".join(f"{key} {env[key]}" for key in ("device", "threads", "python", "torch", "transformers")
+                         if key in env) or "not reported"
+    rows = [
+        ("acceptance rate (accepted / proposed draft tokens)", _fmt(_get(report, "speculative.acceptance_rate"), ".3f")),
+        ("mean accepted tokens per round (incl. correction/bonus)",
+         _fmt(_get(report, "speculative.mean_accepted_tokens"), ".2f")),
+        ("speedup (baseline time / speculative time)", _fmt(_get(report, "speedup"), ".2f", "x")),
+        ("k (draft tokens per round)", _fmt(_get(report, "config.num_draft_tokens"), "d")),
+        ("target-only tokens/s", _fmt(_get(report, "baseline.tokens_per_s"), ".1f")),
+        ("speculative tokens/s", _fmt(_get(report, "speculative.tokens_per_s"), ".1f")),
+        ("latency p50 target-only / speculative (s)",
+         f"{_fmt(_get(report, 'baseline.latency_s.p50'), '.3f')} / "
+         f"{_fmt(_get(report, 'speculative.latency_s.p50'), '.3f')}"),
+        ("temperature", _fmt(_get(report, "config.temperature"), "g")),
+        ("max new tokens", _fmt(_get(report, "config.max_new_tokens"), "d")),
+        ("batch size", _fmt(_get(report, "config.batch_size"), "d")),
+        ("prompts", _fmt(_get(report, "config.num_prompts"), "d")),
+        ("machine / environment", env_text),
+    ]
+    equivalence = _get(report, "equivalence")
+    if isinstance(equivalence, dict):
+        verdict = "passed" if equivalence.get("passed") else "FAILED"
+        rows.append(("output equivalence with the target",
+                     f"{equivalence.get('mode', '?')}: {verdict} "
+                     f"({equivalence.get('mismatches', '?')} mismatches in {equivalence.get('checked', '?')} checked)"))
+    decision = _get(report, "decision")
+    if isinstance(decision, dict) and decision.get("verdict"):
+        rows.append(("decision", str(decision["verdict"])))
+    lines = ["## Results", "", f"Measured by `specdec eval` against `{_get(report, 'config.target') or '?'}`.", "",
+             "| metric | value |", "|---|---|"]
+    lines += [f"| {name} | {value} |" for name, value in rows]
+    reasons = _get(report, "decision.reasons")
+    if isinstance(reasons, list) and reasons:
+        lines += ["", "Decision reasons:", ""] + [f"- {reason}" for reason in reasons]
+    lines += ["", "Speedup depends on the machine, batch size and prompts: measure it on yours.", ""]
+    return lines
+
+
+def _head_section(info: CardInfo) -> list[str]:
+    if info.head == "full":
+        return []
+    n, v = info.draft_vocab_size, info.vocab_size
+    if info.head == "reduced":
+        return [
+            "## Reduced vocabulary: specdec only",
+            "",
+            f"> **Warning:** this draft's LM head scores only {n:,} of the {v:,} target ids; "
+            "`draft_vocab.safetensors` maps its logits to target ids. Only specdec reads that map. "
+            "transformers (`AutoModelForCausalLM.from_pretrained` fails on the smaller `lm_head`), vLLM and "
+            "SGLang need the expanded export:",
+            "",
+            "```bash",
+            "specdec publish --draft DRAFT_DIR --out OUT --full-vocab-head",
+            "```",
+            "",
+        ]
+    check = info.expansion or {}
+    lines = [
+        "## Expanded vocabulary head",
+        "",
+        f"This draft was trained with a reduced head over {n:,} of the {v:,} target ids and exported with the "
+        f"head expanded back to {v:,} rows so that stock engines load it unchanged:",
+        "",
+        "- the kept ids' rows are copied unchanged;",
+        "- every other row is one weighted mean of kept rows: mostly the few with the lowest logits on the "
+        "draft's own hidden states, plus a little of all of them. Llama heads have no bias, so a -inf logit "
+        "is impossible; a weighted mean of kept rows scores below the best kept id at every position (unless "
+        "all kept logits are equal), so greedy decoding never proposes a dropped id and proposes exactly what "
+        "the reduced draft proposes;",
+        "- under sampling the dropped ids share a small probability mass that the reduced draft gives "
+        "zero; speculative sampling stays exact for any draft distribution, so only acceptance can move, "
+        "and only by that mass;",
+        f"- cost: the head is {v:,} rows instead of {n:,}, so each draft step does the full-vocabulary "
+        "head matmul again (specdec's reduced export avoids it).",
+    ]
+    if check:
+        leak = check.get("max_dropped_mass", 0.0)
+        lines += [
+            "",
+            f"Checked at export on {check.get('positions', '?')} positions of sample text: greedy proposals "
+            f"{'identical to' if check.get('greedy_agreement') else 'DIFFERENT from'} the reduced head; "
+            f"smallest gap between the best kept logit and any dropped id's logit {check.get('min_margin', float('nan')):.3g}; "
+            f"probability mass on dropped ids max {check.get('max_dropped_mass', float('nan')):.2e}, "
+            f"median {check.get('median_dropped_mass', float('nan')):.2e}.",
+        ]
+        if leak > LEAK_WARNING:
+            lines += [
+                "",
+                "> **Note:** on this draft the dropped ids can take a noticeable share of the probability, so under "
+                "sampling the expanded head may be accepted less often than the reduced one (greedy is unaffected).",
+            ]
+    return lines + [""]
+
+
+def _snippets(info: CardInfo, k: int) -> list[str]:
+    draft, target = info.model_ref, info.target_ref
+    q = json.dumps  # Python string literals in double quotes, like the rest of the snippets
+    # specdec reads a reduced draft's id map from a local folder: download a Hub copy first.
+    local = info.head == "reduced" and info.model_on_hub
+    cli_draft = f"drafts/{draft.split('/')[-1]}" if local else draft
+    py_draft = f"snapshot_download({q(draft)})" if local else q(draft)
+    specdec_lines = [
+        "### specdec",
+        "",
+        "```bash",
+        *([f"hf download {draft} --local-dir {cli_draft}"] if local else []),
+        f"specdec eval --target {info.target} --draft {cli_draft} --prompts prompts.jsonl \\",
+        f"    --num-draft-tokens {k} --max-new-tokens 256 --out runs/eval",
+        "```",
+        "",
+        "```python",
+        *(["from huggingface_hub import snapshot_download"] if local else []),
+        "from specdec import SamplingConfig, speculative_generate",
+        "from specdec.models import load_model, load_tokenizer",
+        "",
+        f"tok = load_tokenizer({q(info.target)})",
+        f"target, draft = load_model({q(info.target)}), load_model({py_draft})",
+        'ids = tok.apply_chat_template([{"role": "user", "content": "Hello!"}], add_generation_prompt=True,',
+        '                              return_tensors="pt", return_dict=True)["input_ids"].to(target.device)',
+        f"out = speculative_generate(target, draft, ids, num_draft_tokens={k}, max_new_tokens=128,",
+        "                           sampling=SamplingConfig(temperature=0.0), eos_token_id=tok.eos_token_id)",
+        "print(tok.decode(out.sequences[0, out.prompt_length:]), out.stats.as_dict())",
+        "```",
+        "",
+    ]
+    if info.head == "reduced":
+        return ["## Usage", "", "Only specdec can run this export (see the warning above).", ""] + specdec_lines
+    vllm_config = json.dumps({"model": draft, "method": "draft_model", "num_speculative_tokens": k})
+    return [
+        "## Usage",
+        "",
+        "The draft only changes speed: greedy output is token-identical to the target alone, and sampled "
+        "output is distributed as the target's.",
+        "",
+        "### transformers (assisted generation)",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "",
+        f"tok = AutoTokenizer.from_pretrained({q(target)})",
+        f"target = AutoModelForCausalLM.from_pretrained({q(target)})",
+        f"draft = AutoModelForCausalLM.from_pretrained({q(draft)})",
+        f"draft.generation_config.num_assistant_tokens = {k}",
+        'draft.generation_config.num_assistant_tokens_schedule = "constant"',
+        'inputs = tok.apply_chat_template([{"role": "user", "content": "Hello!"}], add_generation_prompt=True,',
+        '                                 return_tensors="pt", return_dict=True)',
+        "out = target.generate(**inputs, assistant_model=draft, do_sample=False, max_new_tokens=128)",
+        'print(tok.decode(out[0, inputs["input_ids"].shape[1]:]))',
+        "```",
+        "",
+        "### vLLM (draft-model speculative decoding)",
+        "",
+        "```python",
+        "from vllm import LLM, SamplingParams",
+        "",
+        f"llm = LLM(model={q(target)}, speculative_config={vllm_config})",
+        'print(llm.generate(["Hello!"], SamplingParams(temperature=0, max_tokens=128))[0].outputs[0].text)',
+        "```",
+        "",
+        "```bash",
+        f"vllm serve {target} --speculative-config '{vllm_config}'",
+        "```",
+        "",
+        "### SGLang (standalone draft model)",
+        "",
+        "```bash",
+        f"python -m sglang.launch_server --model-path {target} \\",
+        f"    --speculative-algorithm STANDALONE --speculative-draft-model-path {draft} \\",
+        f"    --speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}",
+        "```",
+        "",
+    ] + specdec_lines
+
+
+def render_card(info: CardInfo, report: dict | None = None) -> str:
+    """The README.md text of a published draft: YAML metadata, provenance, results, caveats and usage."""
+    k = num_draft_tokens(report)
+    front = yaml.safe_dump(metadata(info), sort_keys=False).strip()
+    target_line = f"[`{info.base_model}`](https://huggingface.co/{info.base_model})" if info.base_model \
+        else f"`{info.target}`"
+    if info.head == "full":
+        head_text = f"full vocabulary ({info.vocab_size:,} ids)"
+    elif info.head == "reduced":
+        head_text = f"reduced head: {info.draft_vocab_size:,} of {info.vocab_size:,} ids, with id map"
+    else:
+        head_text = f"{info.vocab_size:,} rows, expanded from a reduced head of {info.draft_vocab_size:,} ids"
+    lines = [
+        "---",
+        front,
+        "---",
+        "",
+        f"# {info.name}",
+        "",
+        f"A draft model for speculative decoding with the target {target_line}, trained with "
+        "specdec to agree with that target. It shares the target's tokenizer and is "
+        "meant to propose tokens for the target to verify, not to be used on its own.",
+        "",
+        "## How it was made",
+        "",
+        f"- target it was aligned to: `{info.target}`",
+        f"- recipe: {f'`{info.recipe}`' if info.recipe else 'not recorded'}",
+        f"- training data: {info.data if info.data else 'not recorded'}",
+        f"- architecture: {info.architecture}; layers: {info.num_layers}; hidden size: {info.hidden_size}; "
+        f"parameters: {info.num_parameters:,}; dtype: {info.dtype}",
+        f"- LM head: {head_text}",
+        "",
+    ]
+    lines += _results(report)
+    lines += _head_section(info)
+    lines += _snippets(info, k)
+    if info.base_model is None:
+        lines += ["The target is not a Hub model, so the snippets load it from "
+                  f"`{info.target_ref}`: replace that with where your copy of the target lives.", ""]
+    return "\n".join(lines).rstrip() + "\n"
