@@ -121,7 +121,7 @@ def main() -> None:
           f"torch {torch.__version__}; target {args.target}; draft "
           f"{args.draft or 'layers ' + args.layers + ' of the target'}; greedy, batch 1, k={args.k}, "
           f"{len(encoded) - 1} prompts x {args.max_new_tokens} new tokens (+1 warm-up)\n")
-    print(f"| mode | tokens/s | vs target alone | vs transformers assisted |\n|---|---|---|---|")
+    print("| mode | tokens/s | vs target alone | vs transformers assisted |\n|---|---|---|---|")
     for name in modes:
         print(f"| {name} | {rate[name]:.1f} | {rate[name] / rate['target alone']:.2f}x | "
               f"{rate[name] / rate['transformers assisted']:.2f}x |")

@@ -41,7 +41,7 @@ def latency_cdf(best: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for mode, label in (("baseline", "target-only"), ("speculative", f"speculative (k={best['num_draft_tokens']})")):
         xs, ys = metrics.cdf(best[mode]["latencies"])
-        ax.step(xs, ys, where="post", label=label)
+        ax.step([xs[0], *xs], [0.0, *ys], where="post", label=label)
     ax.set_xlabel("request latency (s)")
     ax.set_ylabel("fraction of requests")
     ax.set_ylim(0, 1.02)
@@ -63,6 +63,7 @@ def speedup_vs_k(rows: list[dict], path: Path) -> None:
         ax.plot(ks, [r["analytical_speedup"] for r in sel], marker="x", linestyle="--", color=line.get_color(),
                 label=f"analytical, batch {b}")
     ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xticks(sorted({r["num_draft_tokens"] for r in rows}))
     ax.set_xlabel("k (draft tokens per round)")
     ax.set_ylabel("speedup over target-only")
     ax.set_title("Speedup vs k")

@@ -69,7 +69,7 @@ class EvalConfig:
     max_memory_overhead: float = 0.2  # memory overhead allowed beyond the draft's weights, as a fraction of them
     recommend_by: str = "speedup"  # speedup | tokens_per_s | latency_p50 | latency_p95
     plot_format: str = "png"
-    cost_repeats: int = 5  # cached forwards timed per model to measure the cost ratio c and verify cost v
+    cost_repeats: int = 10  # cached forwards timed per model to measure the cost ratio c and verify cost v
     equivalence_samples: int = 256  # sampling only: draws for the short distribution check (0: skip)
 
     def __post_init__(self) -> None:

@@ -414,8 +414,12 @@ def resolve_prompts_path(name: str) -> Path:
     """A prompt file path; `embedded:heldout` is the held-out set shipped in the installed `train` package."""
     if name.strip().lower() == EMBEDDED_HELDOUT:
         spec = importlib.util.find_spec("train")
-        path = None if spec is None or spec.origin is None else Path(spec.origin).parent / "assets" / "prompts_heldout.jsonl"
-        if path is None or not path.is_file():
+        folders = [] if spec is None else list(spec.submodule_search_locations or [])
+        if spec is not None and spec.origin:
+            folders.insert(0, str(Path(spec.origin).parent))
+        # A package installed in editable mode may be a namespace package without an origin: try each folder.
+        path = next((p for f in folders if (p := Path(f) / "assets" / "prompts_heldout.jsonl").is_file()), None)
+        if path is None:
             raise ValueError(f"{EMBEDDED_HELDOUT} is not available in this install (train/assets/prompts_heldout.jsonl "
                              "is missing); pass --prompts FILE.jsonl")
         return path

@@ -30,6 +30,7 @@ from specdec.verify import greedy_verify, rejection_verify
 from specdec.vocab import draft_to_target_map
 
 log = logging.getLogger(__name__)
+GREEDY = SamplingConfig()  # frozen, so safe as a shared default
 
 
 @dataclass
@@ -272,7 +273,7 @@ def target_generate(
     target,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
-    sampling: SamplingConfig = SamplingConfig(),
+    sampling: SamplingConfig = GREEDY,
     max_new_tokens: int = 64,
     eos_token_id: int | list[int] | None = None,
     generator: torch.Generator | None = None,
@@ -342,7 +343,7 @@ def speculative_generate(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     num_draft_tokens: int = 4,
-    sampling: SamplingConfig = SamplingConfig(),
+    sampling: SamplingConfig = GREEDY,
     max_new_tokens: int = 64,
     eos_token_id: int | list[int] | None = None,
     generator: torch.Generator | None = None,

@@ -116,6 +116,19 @@ def _declared_reduced_vocab(path: str) -> int | None:
     return json.loads(config_file.read_text()).get(vocab.CONFIG_KEY)
 
 
+def _local_reduced_draft(name: str) -> str | None:
+    """A Hub-hosted reduced-vocabulary draft, downloaded so its id map can be read; None for anything else."""
+    if Path(name).exists():
+        return None
+    try:
+        from huggingface_hub import hf_hub_download, snapshot_download
+
+        config = json.loads(Path(hf_hub_download(name, "config.json")).read_text())
+        return snapshot_download(name) if vocab.CONFIG_KEY in config else None
+    except Exception:  # noqa: BLE001 - offline or not a Hub repo: from_pretrained reports the real error
+        return None
+
+
 def _load_reduced(path: str, dtype: torch.dtype) -> torch.nn.Module:
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -138,6 +151,7 @@ def load_model(name_or_path: str, dtype: str | torch.dtype | None = "auto", devi
     device = device if isinstance(device, torch.device) else resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
     path = resolve_path(name_or_path)
+    path = _local_reduced_draft(path) or path
     try:
         if _declared_reduced_vocab(path) is not None:
             model = _load_reduced(path, torch_dtype)

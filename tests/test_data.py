@@ -273,6 +273,20 @@ def test_bad_inputs(tiny_target, tmp_path):
         load_generated(tmp_path)
 
 
+def test_too_long_prompts_are_counted_and_empty_datasets_rejected(tiny_target, tmp_path):
+    import datasets
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{n}", "prompt": " ".join(["the"] * n)}) + "\n" for n in (2, 9, 3, 12)))
+    m = run(_cfg(tiny_target, prompts, tmp_path / "out", max_prompt_tokens=8))  # chat markup adds 3 tokens
+    assert m["counts"]["skipped_too_long"] == 2 and m["skipped_prompt_ids"] == ["p9", "p12"]
+    assert sorted(r["prompt_id"] for r in _rows(tmp_path / "out")) == ["p2", "p3"]
+    datasets.Dataset.from_dict({"prompt": []}, features=datasets.Features({"prompt": datasets.Value("string")})
+                               ).to_parquet(str(tmp_path / "empty.parquet"))
+    with pytest.raises(ValueError, match="holds no rows|empty"):
+        run(_cfg(tiny_target, tmp_path / "empty.parquet", tmp_path / "out2"))
+
+
 def test_missing_chat_template(tmp_path):
     folder = tmp_path / "model"
     tiny_llama(seed=0).save_pretrained(folder)
@@ -322,6 +336,7 @@ def test_embedded_prompt_set_shape():
     assert len({p.category for p in train}) >= 10 and {p.category for p in heldout} == {p.category for p in train}
     texts = ["\n\n".join(p.turns) for p in train]
     assert len(set(texts)) == len(texts)
+    assert not {"\n\n".join(p.turns) for p in heldout} & set(texts)
     train_turns = {_norm(t) for p in train for t in p.turns if len(p.turns) == 1}
     assert not any(_norm(t) in train_turns for p in heldout for t in p.turns)
     assert any(len(p.turns) == 2 for p in train)

@@ -128,3 +128,22 @@ def test_build_draft_dispatch(tmp_path):
     tiny_llama(seed=5, layers=1, dtype=torch.float32).save_pretrained(tmp_path)
     pretrained = draft_lib.build_draft(str(tmp_path), target)
     assert pretrained.training and pretrained.dtype == torch.float32
+
+
+@pytest.mark.slow
+def test_embedded_default_draft_derives_reduces_and_round_trips(tmp_path):
+    """The embedded default's draft: SmolLM2-135M layers 0, 1, 29 + an 8192-id head, a plain checkpoint."""
+    from specdec.models import EMBEDDED_TARGET, load_tokenizer
+
+    target = load_model(EMBEDDED_TARGET, dtype="float32", device="cpu")
+    tok = load_tokenizer(EMBEDDED_TARGET)
+    derived = draft_lib.derive_draft(target, [0, 1, 29])
+    assert derived.config.num_hidden_layers == 3
+    ids = tok("The capital of France is", return_tensors="pt").input_ids
+    keep = torch.unique(torch.cat([torch.arange(8192 - ids.numel()), ids.flatten()]))[:8192]
+    draft_lib.reduce_vocab(derived, keep)
+    check_compatible(tok, tok, target, derived)
+    save_model(derived, tok, tmp_path)
+    again = load_model(str(tmp_path), dtype="float32", device="cpu")
+    assert torch.allclose(again(ids).logits, derived.eval()(ids).logits, atol=1e-5)
+    assert torch.equal(draft_to_target_map(again), keep)

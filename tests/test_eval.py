@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import tiny_llama, tiny_tokenizer
+
 from specdec.cli import main
 
 BASELINE_KEYS = {"tokens_per_s", "latency_s", "ttft_s", "itl_s", "peak_memory_mb"}

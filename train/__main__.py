@@ -9,7 +9,8 @@ import sys
 from train.distill import main
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stdout)
     try:
         sys.exit(main(sys.argv[1:]))
     except ValueError as err:  # boundary errors carry their fix; same behaviour as the specdec CLI

@@ -2,7 +2,7 @@
 
     specdec data --config recipes/smollm2-135m.yaml                      # one process
     python -m train.data prompts=my.jsonl target=HuggingFaceTB/SmolLM2-1.7B-Instruct output_dir=runs/data
-    accelerate launch -m train.data --config recipes/x.yaml              # one slice of shards per process
+    accelerate launch --multi_gpu --num_processes 4 -m train.data --config recipes/X.yaml   # shards split over processes
 
 Prompts come from a local .jsonl/.json/.parquet/.csv file, a Hub dataset name, or the embedded prompt set
 (`embedded:train`, `embedded:heldout`); every row goes through `specdec.prompts.normalise_record`.
@@ -16,8 +16,9 @@ Output, resumable (rerun the same command after a crash; finished shards are kep
 The work list (prompt x sample, length-sorted) is cut into shards of `shard_size` items; shard s belongs to
 process s % num_processes. A shard is written to a temporary file and renamed, then recorded in the manifest,
 so a shard is either complete and listed or absent/ignored: a rerun redoes exactly the missing ones.
-Each shard samples from its own generator seeded by (seed, shard), so the result does not depend on where a
-run was interrupted or on the number of processes.
+Each shard samples from its own generator seeded by (seed, shard), so for a given batch_size the result does
+not depend on where a run was interrupted or on the number of processes (greedy data does not depend on
+batch_size either, up to floating-point near-ties).
 """
 
 from __future__ import annotations

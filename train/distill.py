@@ -226,7 +226,7 @@ def collate(rows: dict, pad_id: int, max_length: int) -> dict[str, Any]:
     loss_mask = torch.zeros(batch, width, dtype=torch.bool)
     has_topn = rows.get("top_ids") is not None and all(t is not None for t in rows["top_ids"])
     if has_topn:
-        n = max(len(t[0]) for t in rows["top_ids"] if len(t))
+        n = max((len(t[0]) for t in rows["top_ids"] if len(t)), default=1)
         top_ids = torch.zeros(batch, width, n, dtype=torch.long)
         top_logprobs = torch.zeros(batch, width, n, dtype=torch.float32)
     for b, seq in enumerate(seqs):
@@ -292,32 +292,49 @@ def _forward(model, batch: dict) -> torch.Tensor:
                  position_ids=_positions(batch["attention_mask"])).logits
 
 
+@torch.no_grad()
+def target_logits_at(target, batch: dict) -> torch.Tensor:
+    """The target's logits at the loss positions only.  -> [N, V_target]
+
+    The head runs on the selected hidden states: a [B, T, V] teacher tensor is most of the memory otherwise.
+    """
+    mask = batch["loss_mask"].bool()
+    decoder, head = target.get_decoder(), target.get_output_embeddings()
+    # Models that post-process logits (soft-capping) need their own forward.
+    if decoder is None or head is None or getattr(target.config, "final_logit_softcapping", None):
+        return _forward(target, batch)[mask]
+    hidden = decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                     position_ids=_positions(batch["attention_mask"])).last_hidden_state
+    return head(hidden[mask])
+
+
 def teacher_logits(target, batch: dict, student_vocab: int, id_map, inv_map) -> torch.Tensor:
-    """Teacher logits over the draft's vocabulary: online from the target, else dense from stored top-n."""
+    """Teacher logits over the draft's vocabulary at the loss positions: online from the target, else dense
+    from the stored top-n log-probs.  -> [N, V_draft]"""
     if target is not None:
-        with torch.no_grad():
-            logits = _forward(target, batch)
-        if id_map is not None:
-            return losses.restrict_teacher(logits, id_map)
-        return logits[..., :student_vocab]
+        logits = target_logits_at(target, batch)
+        return losses.restrict_teacher(logits, id_map) if id_map is not None else logits[:, :student_vocab]
     if "top_ids" not in batch:
         raise ValueError("teacher=offline with a divergence loss needs stored top-n log-probs (top_ids, top_logprobs)"
-                         " in the data: regenerate with top-n, or use loss=ce")
-    return losses.dense_teacher_logits(batch["top_ids"], batch["top_logprobs"], student_vocab, inv_map)
+                         " in the data: regenerate with `specdec data ... top_logprobs=20`, or use loss=ce")
+    mask = batch["loss_mask"].bool()
+    return losses.dense_teacher_logits(batch["top_ids"][mask], batch["top_logprobs"][mask], student_vocab, inv_map)
 
 
 def compute_loss(cfg: TrainConfig, student_logits, teacher, batch: dict, inv_map) -> torch.Tensor:
     """The configured divergence (+ ce_weight x cross-entropy) over completion positions."""
-    mask = batch["loss_mask"]
-    width = min(student_logits.shape[-1], teacher.shape[-1]) if teacher is not None else student_logits.shape[-1]
-    student_logits = student_logits[..., :width]
+    mask = batch["loss_mask"].bool()
+    student = student_logits[mask]  # [N, V_draft]
+    width = min(student.shape[-1], teacher.shape[-1]) if teacher is not None else student.shape[-1]
+    student = student[:, :width]
     total = None
     if cfg.loss != "ce":
-        total = losses.distill_loss(cfg.loss, student_logits, teacher[..., :width], mask, cfg.beta, cfg.temperature)
+        total = losses.distill_loss(cfg.loss, student, teacher[:, :width], None, cfg.beta, cfg.temperature)
     if cfg.loss == "ce" or cfg.ce_weight > 0:
-        labels = batch["labels"] if inv_map is None else inv_map[batch["labels"]]
-        ce_mask = mask & (labels >= 0) & (labels < width)
-        ce = losses.cross_entropy(student_logits, labels.clamp(min=0), ce_mask)
+        labels = batch["labels"][mask]
+        labels = labels if inv_map is None else inv_map[labels]
+        valid = (labels >= 0) & (labels < width)  # a reduced head cannot predict ids it lacks
+        ce = losses.cross_entropy(student, labels.clamp(min=0), valid)
         total = ce if total is None else total + cfg.ce_weight * ce
     return total
 
@@ -335,18 +352,20 @@ def evaluate(model, target, items: list[dict], cfg: TrainConfig, pad_id: int, id
         chunk = items[s:s + cfg.eval_batch_size]
         rows = {k: [r.get(k) for r in chunk] for k in chunk[0]}
         batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in collate(rows, pad_id, cfg.max_length).items()}
-        mask = batch["loss_mask"]
-        student = _forward(model, batch).float()
+        mask = batch["loss_mask"].bool()
+        student = _forward(model, batch)[mask].float()  # [N, V_draft]
         if target is not None:
-            t_logits = _forward(target, batch).float()
-            alpha = losses.acceptance_alpha(student, t_logits, mask, id_map)
-            agree = losses.greedy_agreement(student, t_logits, mask, id_map)
+            t_logits = target_logits_at(target, batch).float()  # [N, V_target]
+            alpha = losses.acceptance_alpha(student, t_logits, None, id_map)
+            agree = losses.greedy_agreement(student, t_logits, None, id_map)
         else:
+            # The target's greedy token is the stored top-1 (else the data's next token: exact for greedy data).
             has_topn = "top_ids" in batch
             target_top = batch["top_ids"][..., 0] if has_topn else batch["labels"]
-            agree = losses.draft_argmax_in_target_ids(student[mask.bool()], id_map) == target_top[mask.bool()]
-            alpha = (losses.acceptance_alpha_topn(student, batch["top_ids"], batch["top_logprobs"], mask, id_map)
-                     if has_topn else torch.full_like(agree, float("nan"), dtype=torch.float32))
+            agree = losses.draft_argmax_in_target_ids(student, id_map) == target_top[mask]
+            alpha = (losses.acceptance_alpha_topn(student, batch["top_ids"][mask], batch["top_logprobs"][mask],
+                                                  None, id_map)
+                     if has_topn else torch.full(agree.shape, float("nan")))
         counts = mask.sum(-1).tolist()
         alphas.append(alpha.cpu())
         agreements += [a.tolist() for a in agree.cpu().split(counts)]

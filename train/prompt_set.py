@@ -807,7 +807,18 @@ def build_prompt_sets(seed: int = SEED) -> tuple[list[dict], list[dict]]:
         take = pool[: share + (k < extra)]
         heldout += [{"prompt_id": f"heldout-{kind}-{n:03d}", "category": kind,
                      "messages": [{"role": "user", "content": t} for t in turns]} for n, turns in enumerate(take)]
-    return train, heldout
+    return _interleave(train), _interleave(heldout)
+
+
+def _interleave(records: list[dict]) -> list[dict]:
+    """Kinds taken in turn (first of each kind, then second of each, ...), so any prefix (`limit=N`) is varied."""
+    kinds = list(dict.fromkeys(r["category"] for r in records))
+    rank: dict[str, int] = {}
+    keyed = []
+    for r in records:
+        n = rank[r["category"]] = rank.get(r["category"], -1) + 1
+        keyed.append(((n, kinds.index(r["category"])), r))
+    return [r for _, r in sorted(keyed, key=lambda kr: kr[0])]
 
 
 def _dump(records: list[dict]) -> str:
