@@ -8,7 +8,7 @@ from specdec.config import config_from_cli
 
 log = logging.getLogger(__name__)
 
-EVAL_HELP = """usage: specdec eval --target T --draft D --prompts FILE [--num-draft-tokens 1,2,4] [--batch-size 1,4]
+EVAL_HELP = """usage: specdec eval --target T --draft D [--prompts FILE] [--num-draft-tokens 1,2,4] [--batch-size 1,4]
                     [--max-new-tokens N] [--temperature X] [--top-k K] [--top-p P] --out DIR
                     [--config recipes/X.yaml] [key=value ...]
 
@@ -18,11 +18,12 @@ recommended configuration at the top level and adds a `sweep` table. Decision th
 `enable`): min_acceptance_rate=0.5 min_speedup=1.1 max_memory_overhead=0.2 (beyond the draft's weights).
 Other keys: seed, warmup, num_prompts, use_chat_template, device, dtype, threads, recommend_by
 (speedup|tokens_per_s|latency_p50|latency_p95), plot_format, cost_repeats, equivalence_samples, report_to.
-Prompts: .jsonl/.json with {"prompt"}, {"messages"}, ShareGPT or Spec-Bench records, or embedded:heldout.
+Prompts: .jsonl/.json with {"prompt"}, {"messages"}, ShareGPT or Spec-Bench records; default embedded:heldout
+(the shipped held-out set). The report goes to --out, else to output_dir/eval from the recipe.
 """
 
 VERIFY_HELP = """usage: specdec verify [--temperature 1.0,0.8 --top-k 0,6 --top-p 1.0,0.9] [--batch-size 2000,1]
-                      [--samples N] [--samples-batch1 N] [--alpha 0.001] [--out DIR]
+                      [--samples 16000] [--samples-batch1 300] [--alpha 0.001] [--out DIR]
        specdec verify --target T --draft D --prompts FILE [--num-prompts 2] [--samples 512] [--batch-size 64]
 
 Checks that speculative sampling is distributed exactly as the target. Without --target/--draft it builds a

@@ -25,6 +25,7 @@ def per_position_acceptance(rows: list[dict], path: Path) -> None:
         acc = r["speculative"]["per_position_acceptance"]
         xs = [i + 1 + (j - (len(rows) - 1) / 2) * width for i in range(len(acc))]
         ax.bar(xs, acc, width=width, label=f"k={r['num_draft_tokens']}")
+    ax.set_xticks(range(1, 1 + max(len(r["speculative"]["per_position_acceptance"]) for r in rows)))
     ax.set_xlabel("draft position i")
     ax.set_ylabel("P(accept i | accepted < i)")
     ax.set_ylim(0, 1)

@@ -45,7 +45,7 @@ class EvalConfig:
 
     target: str = "embedded:smollm2-135m-instruct"
     draft: str | None = None
-    prompts: str | None = None  # .jsonl/.json prompt file, or embedded:heldout
+    prompts: str = "embedded:heldout"  # .jsonl/.json prompt file; default: the shipped held-out prompt set
     num_prompts: int | None = None  # the first N prompts (None: all)
     use_chat_template: bool = True
     num_draft_tokens: list[int] = field(default_factory=lambda: [4])
@@ -76,7 +76,7 @@ class EvalConfig:
         if not self.draft:
             raise ValueError("eval needs a draft: pass --draft PATH_OR_HUB_ID (a checkpoint from `specdec train`)")
         if not self.prompts:
-            raise ValueError("eval needs prompts: pass --prompts FILE.jsonl (or --prompts embedded:heldout)")
+            raise ValueError("eval needs prompts: pass --prompts FILE.jsonl (default: embedded:heldout)")
         if not self.num_draft_tokens or min(self.num_draft_tokens) < 1:
             raise ValueError(f"num_draft_tokens must be integers >= 1 (e.g. --num-draft-tokens 1,2,4), got {self.num_draft_tokens}")
         if not self.batch_size or min(self.batch_size) < 1:
@@ -329,14 +329,22 @@ def _environment(device: torch.device) -> dict:
 
 def run(cfg: EvalConfig) -> dict:
     """Measure, compare and decide; writes report.json, report.md, plots and samples.jsonl; returns the report."""
+    threads = torch.get_num_threads()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    try:
+        return _run(cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(cfg: EvalConfig) -> dict:
     from specdec.compat import check_compatible
     from specdec.models import load_model, load_tokenizer, resolve_device
     from specdec.prompts import encode_prompt, read_prompts
 
     out_dir = cfg.out_dir()
     wandb_run = _start_wandb(cfg) if cfg.report_to == "wandb" else None
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.device)
 
@@ -351,19 +359,41 @@ def run(cfg: EvalConfig) -> dict:
         raise ValueError("a prompt encodes to zero tokens; remove empty prompts from the file")
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
-    sampling = cfg.sampling()
-    ks, batch_sizes = cfg.num_draft_tokens, cfg.batch_size
-    memory = PeakMemory(device)
+    calls, costs, timing = _measure(cfg, target, draft, encoded, eos, pad, device)
 
+    draft_mb = _weights_mb(draft)
+    rows = []
+    for b in cfg.batch_size:
+        base = [c for c in calls if c.batch_size == b and c.mode == "baseline"]
+        for k in cfg.num_draft_tokens:
+            spec = [c for c in calls if c.batch_size == b and c.k == k]
+            rows.append(_config_row(cfg, prompts, base, spec, k, b, costs[b], draft_mb))
+    best = _recommend(rows, cfg.recommend_by)
+
+    eq = _judge(cfg, rows, best, target, draft, encoded[0], draft_mb)
+    result = _assemble(cfg, prompts, rows, best, eq, costs, device, timing, draft_mb)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write_samples(out_dir / "samples.jsonl", prompts, best)
+    result["plots"] = plots.make_all(result, rows, best, out_dir, cfg.plot_format)
+    report.write(result, out_dir)
+    if wandb_run is not None:
+        _log_wandb(wandb_run, result, out_dir)
+    return result
+
+
+def _measure(cfg: EvalConfig, target, draft, encoded: list[list[int]], eos, pad, device: torch.device):
+    """The timed A/B loop over batch sizes and batches; returns (calls, costs per batch size, loop timing)."""
+    sampling, ks, memory = cfg.sampling(), cfg.num_draft_tokens, PeakMemory(device)
     calls: list[Call] = []
     costs: dict[int, dict] = {}
     decoder_seconds, loop_seconds = 0.0, 0.0
-    n_calls = sum(-(-len(prompts) // b) for b in batch_sizes) * (1 + len(ks))
-    bar = tqdm(total=n_calls, desc="eval", unit="call")
-    for b in batch_sizes:
-        groups = [list(range(i, min(i + b, len(prompts)))) for i in range(0, len(prompts), b)]
+    n = len(encoded)
+    bar = tqdm(total=sum(-(-n // b) for b in cfg.batch_size) * (1 + len(ks)), desc="eval", unit="call")
+    for b in cfg.batch_size:
+        groups = [list(range(i, min(i + b, n))) for i in range(0, n, b)]
         first_ids, first_mask = left_pad([encoded[i] for i in groups[0]], pad, device)
-        costs[b] = measure_costs(target, draft, first_ids[:, first_mask.all(0)] if b > 1 else first_ids, ks, cfg.cost_repeats)
+        # Cost ratios on the first batch's common (unpadded) suffix: the decoders' per-step shapes.
+        costs[b] = measure_costs(target, draft, first_ids[:, first_mask.all(0)], ks, cfg.cost_repeats)
         for _ in range(cfg.warmup):
             for k in [None, *ks]:
                 _decode(target, draft, k, first_ids, first_mask, sampling, cfg, eos, pad, torch.Generator(device=device))
@@ -388,22 +418,24 @@ def run(cfg: EvalConfig) -> dict:
                 bar.update(1)
         loop_seconds += time.perf_counter() - loop_start
     bar.close()
+    return calls, costs, {"loop_s": loop_seconds, "decoder_s": decoder_seconds}
 
-    draft_mb = _weights_mb(draft)
-    rows = []
-    for b in batch_sizes:
-        base = [c for c in calls if c.batch_size == b and c.mode == "baseline"]
-        for k in ks:
-            spec = [c for c in calls if c.batch_size == b and c.k == k]
-            rows.append(_config_row(cfg, prompts, base, spec, k, b, costs[b], draft_mb))
-    best = _recommend(rows, cfg.recommend_by)
 
+def _judge(cfg: EvalConfig, rows: list[dict], best: dict, target, draft, first_prompt: list[int], draft_mb: float) -> dict:
+    """Fill each row's equivalence and decision; returns the report's top-level equivalence entry."""
     eq = best["equivalence"]
-    if not sampling.greedy:
+    if cfg.sampling().greedy:
+        # A mismatch in any configuration means the decoder is not exact here: no configuration is enabled.
+        all_passed = all(r["equivalence"]["passed"] for r in rows)
+        for row in rows:
+            row["equivalence"] = {**row["equivalence"], "all_configurations_passed": all_passed}
+            row["equivalence"]["passed"] = row["equivalence"]["passed"] and all_passed
+        eq = best["equivalence"]
+    else:
         check = None
         if cfg.equivalence_samples:
             log.info("sampling: checking the first two tokens' distribution on prompt 0 (%d draws)", cfg.equivalence_samples)
-            check = check_pair(target, draft, [encoded[0]], sampling, cfg.equivalence_samples,
+            check = check_pair(target, draft, [first_prompt], cfg.sampling(), cfg.equivalence_samples,
                                min(64, cfg.equivalence_samples), seed=cfg.seed, label=f"{cfg.target} + {cfg.draft}")
         eq = equivalence.sampling_equivalence(check)
         for row in rows:
@@ -413,14 +445,7 @@ def run(cfg: EvalConfig) -> dict:
             row["speculative"]["acceptance_rate"], row["speedup"], row["equivalence"]["passed"],
             row["memory"]["overhead_mb"], draft_mb, cfg.thresholds(), row["speculative"]["fallback"])
 
-    result = _assemble(cfg, prompts, rows, best, eq, costs, device, loop_seconds, decoder_seconds, draft_mb)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    _write_samples(out_dir / "samples.jsonl", prompts, best)
-    result["plots"] = plots.make_all(result, rows, best, out_dir, cfg.plot_format)
-    report.write(result, out_dir)
-    if wandb_run is not None:
-        _log_wandb(wandb_run, result, out_dir)
-    return result
+    return eq
 
 
 def _decode(target, draft, k, ids, mask, sampling, cfg, eos, pad, gen):
@@ -472,7 +497,7 @@ def _public(mode: dict) -> dict:
         {"fallback": mode["fallback"]} if "fallback" in mode else {})
 
 
-def _assemble(cfg, prompts, rows, best, eq, costs, device, loop_seconds, decoder_seconds, draft_mb) -> dict:
+def _assemble(cfg, prompts, rows, best, eq, costs, device, timing, draft_mb) -> dict:
     config = {
         "target": cfg.target, "draft": cfg.draft, "num_draft_tokens": best["num_draft_tokens"],
         "temperature": cfg.temperature, "top_k": cfg.top_k, "top_p": cfg.top_p,
@@ -498,8 +523,8 @@ def _assemble(cfg, prompts, rows, best, eq, costs, device, loop_seconds, decoder
         "recommended": {"num_draft_tokens": best["num_draft_tokens"], "batch_size": best["batch_size"],
                         "by": cfg.recommend_by},
         # The measurement loop's wall time vs the time inside decoder calls (cost timing and warm-up excluded).
-        "harness": {"loop_s": loop_seconds, "decoder_s": decoder_seconds,
-                    "overhead_fraction": max(0.0, 1 - decoder_seconds / loop_seconds) if loop_seconds else 0.0},
+        "harness": {**timing, "overhead_fraction": max(0.0, 1 - timing["decoder_s"] / timing["loop_s"])
+                    if timing["loop_s"] else 0.0},
     }
     if best["categories"]:
         result["categories"] = best["categories"]

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import sys
+import traceback
 
 # subcommand -> (module, function, one-line help). Modules are imported lazily: `specdec` must not import
 # `train` or `eval` at module level (DESIGN.md).
@@ -31,7 +33,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 def _usage() -> str:
     lines = ["usage: specdec <command> [--config recipes/X.yaml] [key=value ...] [--key value ...]", "", "commands:"]
     lines += [f"  {name:<8} {help_}" for name, (_, _, help_) in COMMANDS.items()]
-    lines += ["", "Run `specdec <command> --help` for a command's options."]
+    lines += ["", "Run `specdec <command> --help` for a command's options; SPECDEC_DEBUG=1 shows tracebacks."]
     return "\n".join(lines)
 
 
@@ -57,7 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(getattr(module, func_name)(rest) or 0)
     except ValueError as err:
-        # Boundary errors carry the fix in their message; a traceback would only bury it.
+        # Boundary errors carry the fix in their message; a traceback would only bury it. SPECDEC_DEBUG=1 shows
+        # it anyway, for a ValueError that comes from a bug rather than from the input.
+        if os.environ.get("SPECDEC_DEBUG"):
+            traceback.print_exc()
         print(f"specdec {name}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -52,7 +52,7 @@ def run(cfg: DemoConfig) -> dict:
     from eval.runner import run as run_eval
     from train.data import DataConfig, read_manifest
     from train.data import run as run_data
-    from train.distill import TrainConfig
+    from train.distill import TrainConfig, latest_checkpoint
     from train.distill import run as run_train
     from train.publish import PublishConfig, publish
 
@@ -75,9 +75,9 @@ def run(cfg: DemoConfig) -> dict:
     start = _stage("distil the draft", 2)
     # The trainer picks its best checkpoint on a slice of the training prompts split off by prompt id, so the
     # held-out prompts used by the evaluation below are seen by neither training nor checkpoint selection.
+    resume = "latest" if latest_checkpoint(train_dir / "checkpoints") and not cfg.fresh else ""
     train_cfg = load_config(
-        TrainConfig, recipe,
-        [f"output_dir={train_dir}", f"train_data={data_dir}", "resume_from=" + ("" if cfg.fresh else "latest")],
+        TrainConfig, recipe, [f"output_dir={train_dir}", f"train_data={data_dir}", f"resume_from={resume}"],
         section="train",
     )
     final = train_dir / "final"

@@ -17,7 +17,7 @@ SPEC_KEYS = BASELINE_KEYS | {"acceptance_rate", "mean_accepted_tokens", "per_pos
 
 def _eval(ckpt, out, *extra):
     return main(["eval", "--target", ckpt["target"], "--draft", ckpt["draft"], "--prompts", ckpt["prompts"],
-                 "--max-new-tokens", "8", "--out", str(out), "dtype=float64", "cost_repeats=2", *extra])
+                 "--max-new-tokens", "8", "--out", str(out), "dtype=float64", "cost_repeats=2", "threads=1", *extra])
 
 
 def test_eval_greedy_sweep_writes_a_complete_report(tiny_checkpoints, tmp_path):
@@ -147,3 +147,72 @@ def test_eval_missing_draft_and_out(tiny_checkpoints, tmp_path, capsys):
                  "--prompts", tiny_checkpoints["prompts"]]) == 2
     assert "--out DIR" in capsys.readouterr().err
     assert main(["eval", "--help"]) == 0
+
+
+def test_embedded_heldout_prompt_set_resolves():
+    from eval.verify import resolve_prompts_path
+
+    path = resolve_prompts_path("embedded:heldout")
+    assert path.name == "prompts_heldout.jsonl" and path.is_file()
+    assert resolve_prompts_path("mine.jsonl") == Path("mine.jsonl")
+
+
+@pytest.mark.slow
+def test_eval_on_the_embedded_target_with_a_derived_draft(tmp_path):
+    """The real SmolLM2 target and a 2-layer draft derived from it: greedy outputs must match token for token."""
+    from specdec.models import EMBEDDED_TARGET, load_model, load_tokenizer, save_model
+    from train.draft import derive_draft
+
+    target = load_model(EMBEDDED_TARGET, dtype="float32", device="cpu")
+    draft_dir = save_model(derive_draft(target, [0, 1]), load_tokenizer(EMBEDDED_TARGET), tmp_path / "draft")
+    del target
+    assert main(["eval", "--target", EMBEDDED_TARGET, "--draft", str(draft_dir), "--prompts", "embedded:heldout",
+                 "num_prompts=2", "--max-new-tokens", "12", "--num-draft-tokens", "2", "warmup=0", "threads=1",
+                 "cost_repeats=2", "--out", str(tmp_path / "out")]) == 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["equivalence"]["passed"] and report["equivalence"]["checked"] == 2
+    assert report["memory"]["draft_weights_mb"] > 50  # embeddings + 2 layers + head of a 49k vocabulary
+
+
+def test_eval_report_to_wandb(tiny_checkpoints, tmp_path, capsys, monkeypatch):
+    """Offline wandb logging when wandb is installed; otherwise a clean error saying how to install it."""
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is None:
+        assert _eval(tiny_checkpoints, tmp_path, "report_to=wandb") == 2
+        assert "pip install" in capsys.readouterr().err
+        return
+    for key, value in {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}.items():
+        monkeypatch.setenv(key, value)
+    assert _eval(tiny_checkpoints, tmp_path / "out", "report_to=wandb", "run_name=t", "num_prompts=1",
+                 "warmup=0") == 0
+    assert list((tmp_path / "wandb").glob("offline-run-*"))
+
+
+def test_eval_catches_a_decoder_that_is_not_exact(tiny_checkpoints, tmp_path, monkeypatch):
+    """A verifier that accepts every draft token breaks greedy identity: the report lists it and keeps the target."""
+    import specdec.decode
+    from specdec.verify import Verdict
+
+    def accept_all(draft_tokens, target_logits):
+        k = draft_tokens.shape[1]
+        return Verdict(draft_tokens.new_full((draft_tokens.shape[0],), k), target_logits[:, k].argmax(-1))
+
+    monkeypatch.setattr(specdec.decode, "greedy_verify", accept_all)
+    assert _eval(tiny_checkpoints, tmp_path, "--num-draft-tokens", "2", "min_acceptance_rate=0", "min_speedup=0.01",
+                 "max_memory_overhead=1000", "warmup=0") == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    eq = report["equivalence"]
+    assert not eq["passed"] and eq["mismatches"] >= 1 and eq["mismatched_prompts"][0]["position"] >= 1
+    assert report["decision"]["verdict"] == "keep-target-only"
+    assert "equivalence failed (FAILS)" in report["decision"]["reasons"]
+    assert "| first differing position |" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.parametrize("recipe", sorted((Path(__file__).parents[1] / "recipes").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_recipe_eval_section_builds_a_config(recipe):
+    from eval.runner import EvalConfig
+    from specdec.config import load_config
+
+    cfg = load_config(EvalConfig, recipe, [], section="eval")
+    assert cfg.draft and cfg.num_draft_tokens and cfg.out_dir().name == "eval"

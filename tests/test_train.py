@@ -103,6 +103,35 @@ def test_collate_masks_completion_positions_and_aligns_topn():
     assert cut["loss_mask"][0].tolist() == [False, True, True, False]
 
 
+def test_teacher_head_on_loss_positions_equals_the_full_forward():
+    target = tiny_llama(seed=0, layers=2, dtype=torch.float32)
+    rows = {"input_ids": [[5, 6, 7, 8, 9, 10], [11, 12, 13]], "prompt_length": [3, 1]}
+    batch = collate(rows, pad_id=0, max_length=64)
+    full = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    assert torch.allclose(distill.target_logits_at(target, batch), full[batch["loss_mask"]], atol=1e-5)
+
+
+def test_on_policy_batch_samples_continuations_in_target_ids():
+    draft = tiny_llama(seed=1, layers=1, dtype=torch.float32)
+    rows = {"input_ids": [[5, 6, 7, 8, 9, 10], [11, 12, 13]], "prompt_length": [3, 1]}
+    batch = collate(rows, pad_id=0, max_length=64)
+    id_map = torch.arange(3, 128, 5)  # a reduced head: draft index i is target id 3 + 5 i
+    from specdec.vocab import apply_reduced_head
+
+    apply_reduced_head(draft, id_map)
+    out = distill.on_policy_batch(draft, batch, max_new=4, temperature=1.0, id_map=id_map, pad_id=0, eos_id=None,
+                                  generator=torch.Generator().manual_seed(0))
+    # Prompts [5 6 7] and [11], left-padded to width 3, then 4 sampled tokens each.
+    assert out["input_ids"][:, :3].tolist() == [[5, 6, 7], [0, 0, 11]]
+    assert out["attention_mask"].tolist() == [[1] * 7, [0, 0, 1, 1, 1, 1, 1]]
+    assert set(out["input_ids"][:, 3:].flatten().tolist()) <= set(id_map.tolist())
+    assert out["loss_mask"].tolist() == [[False, False, True, True, True, True, False]] * 2
+    assert out["n_tokens"] == 8
+    eos = distill.on_policy_batch(draft, batch, max_new=4, temperature=1.0, id_map=id_map, pad_id=0,
+                                  eos_id=int(out["input_ids"][0, 3]), generator=torch.Generator().manual_seed(0))
+    # The first sampled token of row 0 is now EOS: nothing after it is trained on.
+    assert eos["loss_mask"][0].tolist() == [False, False, True, False, False, False, False]
+
 def test_config_validation_is_actionable():
     with pytest.raises(ValueError, match="teacher must be one of"):
         TrainConfig(teacher="sometimes")

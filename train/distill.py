@@ -50,7 +50,7 @@ class TrainConfig:
     target: str = EMBEDDED_TARGET
     draft: str = DERIVED  # derived | scratch | Hub id / local path of a pretrained small model
     seed: int = 0
-    output_dir: str = "outputs/smollm2-135m"
+    output_dir: str = "runs/smollm2-135m"
     device: str = "auto"
     dtype: str = "auto"  # the target's dtype (the draft trains in float32 + mixed precision)
     report_to: str = "none"  # none | wandb
