@@ -32,7 +32,7 @@ class DemoConfig:
     recipe: str = ""  # default: recipes/smollm2-135m.yaml, or -quick.yaml with --quick
     output_dir: str = "outputs/demo"
     eval_prompts: str = "embedded:heldout"
-    eval_num_prompts: int = 24
+    eval_num_prompts: int | None = None  # default: 8 with --quick, else 24
     fresh: bool = False  # ignore completed stages and redo everything
 
     def recipe_path(self) -> Path:
@@ -92,7 +92,7 @@ def run(cfg: DemoConfig) -> dict:
     start = _stage("evaluate against the target alone", 3)
     eval_cfg = load_config(
         EvalConfig, recipe,
-        [f"draft={draft}", f"out={eval_dir}", f"prompts={cfg.eval_prompts}", f"num_prompts={cfg.eval_num_prompts}"],
+        [f"draft={draft}", f"out={eval_dir}", f"prompts={cfg.eval_prompts}", f"num_prompts={cfg.eval_num_prompts or (8 if cfg.quick else 24)}"],
         section="eval",
     )
     report = run_eval(eval_cfg)

@@ -145,3 +145,14 @@ def tiny_checkpoints(tmp_path_factory):
     save_model(tiny_llama(seed=1, layers=1), tok, paths["draft"])
     paths["prompts"].write_text("".join(json.dumps(r) + "\n" for r in TINY_EVAL_PROMPTS))
     return {k: str(v) for k, v in paths.items()}
+
+
+# --- the public Spec-Bench prompt set, shipped in the workplace's shared/ folder beside the checkout -------
+def _spec_bench_path():
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parents[2] / "shared" / "data" / "specbench_mtbench.jsonl"
+    return here if here.is_file() else Path("/work/shared/data/specbench_mtbench.jsonl")
+
+
+SPEC_BENCH = _spec_bench_path()

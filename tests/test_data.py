@@ -22,7 +22,8 @@ from train.data import DataConfig, conversation, load_generated, plan_items, run
 from train.prompt_set import EMBEDDED_HELDOUT_PROMPTS, EMBEDDED_TRAIN_PROMPTS, build_prompt_sets
 
 REPO = Path(__file__).resolve().parents[1]
-SPEC_BENCH = Path("/work/shared/data/specbench_mtbench.jsonl")
+from conftest import SPEC_BENCH  # noqa: E402
+
 WORDS = "the a of to and is explain write sum number city water food book list simple clear".split()
 
 

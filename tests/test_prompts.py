@@ -6,11 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import tiny_tokenizer
+from conftest import (
+    SPEC_BENCH,  # noqa: E402
+    tiny_tokenizer,
+)
 
 from specdec.prompts import Prompt, encode_prompt, normalise_record, read_prompts
-
-SPEC_BENCH = Path("/work/shared/data/specbench_mtbench.jsonl")
 
 
 def _write(path: Path, lines: list[str]) -> Path:
