@@ -27,14 +27,6 @@ from conftest import SPEC_BENCH  # noqa: E402
 WORDS = "the a of to and is explain write sum number city water food book list simple clear".split()
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny GEMMs gain nothing from threads, and on a busy 2-core machine thread hand-offs cost 1000x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="session")
 def tiny_target(tmp_path_factory) -> Path:

@@ -7,9 +7,8 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
-from conftest import tiny_llama, tiny_tokenizer, write_generated_data
+from conftest import save_tiny_world
 
 from specdec.config import SECTIONS, SHARED_KEYS, load_config, read_recipe
 from train import distill
@@ -18,14 +17,6 @@ from train.distill import TrainConfig
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 LAUNCH_CONFIGS = sorted((ROOT / "recipes" / "accelerate").glob("*.yaml"))
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest on one thread (and then do not fight other processes for a shared CPU)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 
@@ -71,17 +62,7 @@ def test_accelerate_launch_configs_load(path):
 
 @pytest.fixture(scope="module")
 def tiny_world(tmp_path_factory):
-    root = tmp_path_factory.mktemp("recipes")
-    target = tiny_llama(seed=0, layers=3, dtype=torch.float32)
-    tok = tiny_tokenizer()
-    target.save_pretrained(root / "target")
-    tok.save_pretrained(root / "target")
-    small = tiny_llama(seed=4, layers=1, dtype=torch.float32)
-    small.save_pretrained(root / "small")
-    tok.save_pretrained(root / "small")
-    write_generated_data(root / "data", target, 12, seed=1)
-    write_generated_data(root / "heldout", target, 4, seed=2)
-    return root
+    return save_tiny_world(tmp_path_factory.mktemp("recipes"), target_layers=3, small_seed=4, n_train=12, n_heldout=4)
 
 
 @pytest.fixture(autouse=True)
