@@ -259,7 +259,8 @@ def test_accelerate_launch_two_cpu_processes(workspace, tmp_path):
     recipe = _recipe(workspace, tmp_path / "r.yaml", tmp_path / "out", max_steps=2, eval_every=0, save_every=0)
     # accelerate 1.x runs `--cpu --num_processes 2` as ONE process unless MPI is set up; torchrun (`--multi_gpu`)
     # with device=cpu gives two gloo processes (accelerate's MULTI_CPU), which is what this test needs.
-    proc = subprocess.run(["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+    # The venv's own accelerate (the venv need not be on PATH).
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
                            "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "train", "--config", str(recipe)],
                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
