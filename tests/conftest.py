@@ -169,3 +169,14 @@ def save_tiny_world(root, target_layers: int, small_seed: int, n_train: int, n_h
     write_generated_data(root / "data", target, n_train, seed=1)
     write_generated_data(root / "heldout", target, n_heldout, seed=2)
     return root
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """Each in-process training run builds its own Accelerator (its state is a process-wide singleton)."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    PartialState._reset_state()

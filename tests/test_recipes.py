@@ -65,14 +65,7 @@ def tiny_world(tmp_path_factory):
     return save_tiny_world(tmp_path_factory.mktemp("recipes"), target_layers=3, small_seed=4, n_train=12, n_heldout=4)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    PartialState._reset_state()
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)

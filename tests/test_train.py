@@ -40,15 +40,7 @@ def _cfg(ws: Path, out: Path, **kw) -> TrainConfig:
     return TrainConfig(**base)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    """Each in-process run builds its own Accelerator (the state is a process-wide singleton)."""
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    PartialState._reset_state()
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
 
 # ---- pure parts ------------------------------------------------------------------------------------------
