@@ -8,11 +8,10 @@ is seeded, so each test is deterministic) compares them. A deliberately wrong sa
 import pytest
 import torch
 from conftest import tiny_llama
-from scipy import stats as scipy_stats
 
 import specdec.verify
+from eval import verify as verify_cmd
 from specdec import SamplingConfig, speculative_generate
-from specdec.sampling import probabilities
 from specdec.vocab import apply_reduced_head
 
 ALPHA = 1e-3
@@ -29,30 +28,9 @@ def pair():
     return target, draft
 
 
-@torch.inference_mode()
 def exact_joint(target, prompt: list[int], sampling: SamplingConfig) -> torch.Tensor:
     """P(first M generated tokens) under the warped target, by enumeration.  -> [V ** M]"""
-    joint = torch.ones(1, dtype=torch.float64)
-    prefixes = torch.tensor([prompt])
-    for _ in range(M):
-        logits = target(input_ids=prefixes).logits[:, -1]  # [V^i, V]
-        step = probabilities(logits, sampling).double()
-        joint = (joint[:, None] * step).reshape(-1)
-        prefixes = torch.cat([prefixes.repeat_interleave(VOCAB, 0), torch.arange(VOCAB).repeat(len(prefixes))[:, None]], 1)
-    return joint
-
-
-def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float, int]:
-    """(statistic, dof, p-value) with cells of expected count < 5 pooled into one."""
-    expected = probs * counts.sum()
-    small = expected < 5
-    obs = torch.cat([counts[~small].double(), counts[small].double().sum().reshape(1)])
-    exp = torch.cat([expected[~small], expected[small].sum().reshape(1)])
-    keep = exp > 0
-    obs, exp = obs[keep], exp[keep]
-    statistic = float(((obs - exp) ** 2 / exp).sum())
-    dof = int(keep.sum()) - 1
-    return statistic, dof, float(scipy_stats.chi2.sf(statistic, dof))
+    return verify_cmd.exact_joint(target, torch.tensor(prompt), M, sampling)
 
 
 def left_pad(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,9 +58,12 @@ def sample_counts(target, draft, prompts, sampling, k, calls, copies, seed) -> l
 
 
 def combined_p(target, prompts, sampling, counts) -> float:
-    """One chi-square over independent rows: statistics and degrees of freedom add up."""
-    parts = [chi_square_p(c, exact_joint(target, p, sampling)) for p, c in zip(prompts, counts)]
-    return float(scipy_stats.chi2.sf(sum(s for s, _, _ in parts), sum(d for _, d, _ in parts)))
+    """One chi-square over independent rows (cells with expected count < 5 pooled): statistics and degrees of
+    freedom add up. A sample the target cannot produce makes the p-value 0."""
+    fits = [verify_cmd.goodness_of_fit(c, exact_joint(target, p, sampling)) for p, c in zip(prompts, counts)]
+    if any(f["impossible_samples"] for f in fits):
+        return 0.0
+    return verify_cmd.chi2_sf(sum(f["chi2"] for f in fits), sum(f["dof"] for f in fits))
 
 
 @pytest.mark.parametrize("sampling", SETTINGS, ids=["t1.0", "t0.7-p0.9"])
