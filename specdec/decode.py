@@ -103,6 +103,10 @@ class GenerateOutput:
     # (seconds since the call began, tokens appended to each row) after the first token and each step;
     # filled when timing=True (device-synchronised), for TTFT and inter-token latency.
     timings: list[tuple[float, int]] = field(default_factory=list)
+    # target_generate(top_logprobs=n): the target's n most likely ids and their log-softmax (raw logits,
+    # temperature 1, no warping) at each generated position, [B, new, n]; None otherwise.
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
 
 
 class _Batch:
@@ -260,11 +264,31 @@ def _prefill(model, batch: _Batch, kwarg: str) -> tuple[DynamicCache, torch.Tens
     return cache, logits[:, -1]
 
 
-def _target_steps(target, cache, batch, sampling, generator, stats, clock, kwarg) -> None:
+class _TopN:
+    """Collects the top-n log-probs of each step's logits (the decoding logits: no second forward)."""
+
+    def __init__(self, n: int):
+        self.n, self.ids, self.logprobs = n, [], []
+
+    def __call__(self, logits: torch.Tensor) -> None:
+        if self.n:
+            top = torch.topk(torch.log_softmax(logits.float(), dim=-1), min(self.n, logits.shape[-1]), dim=-1)
+            self.ids.append(top.indices)
+            self.logprobs.append(top.values)
+
+    def stacked(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if not self.ids:
+            return None, None
+        return torch.stack(self.ids, dim=1), torch.stack(self.logprobs, dim=1)
+
+
+def _target_steps(target, cache, batch, sampling, generator, stats, clock, kwarg, top_n=None) -> None:
     """Target-only decoding from the current state until done: the baseline, and the fallback."""
     while not batch.done():
         logits = _forward(target, cache, batch, batch.length, 1, kwarg)[:, -1]  # [B, V]
         stats.target_forwards += 1
+        if top_n is not None:
+            top_n(logits)
         clock.mark(batch.append(next_token(logits, sampling, generator)[:, None]))
 
 
@@ -279,16 +303,27 @@ def target_generate(
     generator: torch.Generator | None = None,
     pad_token_id: int | None = None,
     timing: bool = False,
+    top_logprobs: int = 0,
 ) -> GenerateOutput:
-    """Target-only decoding with a KV cache: the baseline that speculative decoding must match."""
+    """Target-only decoding with a KV cache: the baseline that speculative decoding must match.
+
+    `top_logprobs=n` also keeps the n most likely ids and log-probs at every generated position (the
+    distillation teacher signal), taken from the decoding logits themselves.
+    """
     _check_inputs(target, input_ids, attention_mask, max_new_tokens, lookahead=0)
+    if top_logprobs < 0:
+        raise ValueError(f"top_logprobs must be >= 0 (0 = off), got {top_logprobs}")
     batch = _Batch(input_ids, attention_mask, max_new_tokens, 0, eos_token_id, _pad_id(pad_token_id, eos_token_id))
     stats, clock, kwarg = DecodeStats(), _Clock(timing, input_ids.device), _cache_kwarg(target)
+    top_n = _TopN(top_logprobs)
     cache, logits = _prefill(target, batch, kwarg)
     stats.target_forwards += 1
+    top_n(logits)
     clock.mark(batch.append(next_token(logits, sampling, generator)[:, None]))
-    _target_steps(target, cache, batch, sampling, generator, stats, clock, kwarg)
-    return GenerateOutput(batch.sequences(), stats, batch.prompt_length, timings=clock.marks)
+    _target_steps(target, cache, batch, sampling, generator, stats, clock, kwarg, top_n)
+    top_ids, top_lp = top_n.stacked()
+    return GenerateOutput(batch.sequences(), stats, batch.prompt_length, timings=clock.marks,
+                          top_ids=top_ids, top_logprobs=top_lp)
 
 
 class _Draft:

@@ -39,6 +39,27 @@ def test_a_similar_draft_gets_accepted_and_stays_exact(target):
     assert out.stats.acceptance_rate > 0.3 and out.stats.bonus > 0 and out.stats.corrections > 0
 
 
+def test_top_logprobs_are_the_log_softmax_of_a_full_forward(target):
+    """target_generate(top_logprobs=n) keeps the decoding logits' top n: equal to re-scoring the output."""
+    ids, mask = ragged_prompts(3, VOCAB, seed=11)
+    out = target_generate(target, ids, mask, max_new_tokens=12, top_logprobs=5)
+    plain = target_generate(target, ids, mask, max_new_tokens=12)
+    assert torch.equal(out.sequences, plain.sequences)
+    assert out.top_ids.shape == out.top_logprobs.shape == (3, 12, 5)
+    full_mask = torch.cat([mask, mask.new_ones(3, 12)], dim=1)
+    positions = (full_mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = target(input_ids=out.sequences, attention_mask=full_mask, position_ids=positions).logits
+    logp = torch.log_softmax(logits[:, ids.shape[1] - 1:-1].float(), dim=-1)
+    ref = torch.topk(logp, 5, dim=-1)
+    assert torch.equal(out.top_ids, ref.indices)
+    torch.testing.assert_close(out.top_logprobs, ref.values, atol=1e-5, rtol=0)
+    assert torch.equal(out.top_ids[..., 0], out.sequences[:, ids.shape[1]:])  # greedy: top-1 is the token
+    assert plain.top_ids is None
+    with pytest.raises(ValueError, match="top_logprobs"):
+        target_generate(target, ids, mask, max_new_tokens=2, top_logprobs=-1)
+
+
 @pytest.mark.parametrize("k", [1, 3, 6])
 def test_draft_equal_to_target_accepts_everything(target, k):
     ids = torch.tensor([[5, 9, 11, 4]])

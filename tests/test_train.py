@@ -106,6 +106,15 @@ def test_on_policy_batch_samples_continuations_in_target_ids():
     # The first sampled token of row 0 is now EOS: nothing after it is trained on.
     assert eos["loss_mask"][0].tolist() == [False, False, True, False, False, False, False]
 
+    # The KV-cached sampler draws exactly what re-reading the whole sequence each step would draw.
+    gen, ids, mask = torch.Generator().manual_seed(0), out["input_ids"].clone(), out["attention_mask"]
+    with torch.no_grad():
+        for cur in range(3, 7):
+            logits = draft(input_ids=ids[:, :cur], attention_mask=mask[:, :cur],
+                           position_ids=distill._positions(mask[:, :cur])).logits[:, -1].float()
+            ids[:, cur] = id_map[torch.multinomial(logits.softmax(-1), 1, generator=gen).squeeze(-1)]
+    assert torch.equal(ids, out["input_ids"])
+
 def test_config_validation_is_actionable():
     with pytest.raises(ValueError, match="teacher must be one of"):
         TrainConfig(teacher="sometimes")

@@ -255,7 +255,7 @@ def _eos_ids(model, tokenizer) -> list[int]:
 
 
 class TransformersBackend:
-    """Batched, left-padded decoding with specdec's target_generate; top-n log-probs from a second forward."""
+    """Batched, left-padded decoding with specdec's target_generate, which also keeps the top-n log-probs."""
 
     def __init__(self, cfg: DataConfig, tokenizer, device=None):
         from specdec.models import load_model
@@ -286,38 +286,17 @@ class TransformersBackend:
             mask[row, width - len(p):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         out = target_generate(self.model, ids, mask, sampling=self.sampling, max_new_tokens=self.cfg.max_new_tokens,
-                              eos_token_id=self.eos or None, generator=generator, pad_token_id=self.pad)
+                              eos_token_id=self.eos or None, generator=generator, pad_token_id=self.pad,
+                              top_logprobs=self.cfg.top_logprobs)
         new = out.sequences[:, width:].tolist()
         completions = [Completion(_cut_at_eos(row, self.eos)) for row in new]
         if self.cfg.top_logprobs:
-            self._add_top_logprobs(out.sequences, mask, completions)
+            # Taken from the decoding logits: a second forward over the sequences would nearly double the cost.
+            top_ids, top_lp = out.top_ids.tolist(), out.top_logprobs.tolist()
+            for row, comp in enumerate(completions):
+                c = len(comp.tokens)
+                comp.top_ids, comp.top_logprobs = top_ids[row][:c], top_lp[row][:c]
         return completions
-
-    def _add_top_logprobs(self, sequences, prompt_mask, completions: list[Completion]) -> None:
-        """Top-n log-softmax of the target's logits at each completion position (temperature 1, no warp)."""
-        import torch
-
-        n = self.cfg.top_logprobs
-        batch, total = sequences.shape
-        prompt_width = prompt_mask.shape[1]
-        new = total - prompt_width
-        mask = torch.cat([prompt_mask, prompt_mask.new_ones(batch, new)], dim=1)
-        positions = (mask.cumsum(dim=1) - 1).clamp_min(0)
-        vocab = self.model.get_output_embeddings().out_features
-        # Rows per forward so that the float32 logits slab stays near 256 MiB.
-        rows = max(1, (256 << 20) // max(1, (new + 1) * vocab * 4))
-        with torch.inference_mode():
-            for start in range(0, batch, rows):
-                sl = slice(start, start + rows)
-                logits = self.model(input_ids=sequences[sl], attention_mask=mask[sl], position_ids=positions[sl],
-                                    use_cache=False, logits_to_keep=new + 1).logits  # [b, new+1, V]
-                # Position t's logits predict token t+1: the kept slab's first new positions cover the completion.
-                logp = torch.log_softmax(logits[:, :new].float(), dim=-1)
-                top = torch.topk(logp, min(n, vocab), dim=-1)  # [b, new, n]
-                top_ids, top_lp = top.indices.tolist(), top.values.tolist()
-                for row, comp in enumerate(completions[sl]):
-                    c = len(comp.tokens)
-                    comp.top_ids, comp.top_logprobs = top_ids[row][:c], top_lp[row][:c]
 
 
 def _cut_at_eos(tokens: list[int], eos: list[int]) -> list[int]:

@@ -64,6 +64,12 @@ class TrainConfig:
     draft_layers: list[int] = field(default_factory=lambda: [0, 1, -1])
     draft_config: dict = field(default_factory=dict)  # overrides of the target config for draft=scratch
     draft_vocab_size: int = 0  # 0 = full vocabulary; N = keep the N most frequent completion tokens
+    # Keep the input embeddings (the target's) fixed: tokens absent from the training data keep embeddings
+    # that match the trained layers. With a tied full head this freezes the head too.
+    freeze_embeddings: bool = False
+    # Keep the head (the target's rows) fixed: the draft learns to land in the target's final hidden space,
+    # so ids rare in the training data keep the target's own output directions.
+    freeze_head: bool = False
     # teacher signal and loss
     teacher: str = "online"  # online | offline | on_policy
     loss: str = "fkl"  # fkl | rkl | jsd | tvd | ce
@@ -256,10 +262,11 @@ def _positions(attention_mask: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def on_policy_batch(model, batch: dict, max_new: int, temperature: float, id_map: torch.Tensor | None,
                     pad_id: int, eos_id: int | None, generator: torch.Generator) -> dict[str, Any]:
-    """Replace completions by short continuations sampled from the draft (left-padded prompts).
+    """Replace completions by short continuations sampled from the draft (left-padded prompts), with a KV cache."""
+    from transformers import DynamicCache
 
-    No KV cache: continuations are short and this keeps the model call identical under DDP/FSDP wrappers.
-    """
+    from specdec.decode import _cache_kwarg
+
     ids, mask, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
     prompt_lens = [int(m.nonzero()[0]) + 1 if m.any() else int(a.sum()) for m, a in zip(loss_mask, mask)]
     width = max(prompt_lens)
@@ -268,13 +275,19 @@ def on_policy_batch(model, batch: dict, max_new: int, temperature: float, id_map
     for b, n in enumerate(prompt_lens):
         new_ids[b, width - n: width] = ids[b, :n]
         new_mask[b, width - n: width] = 1
-    for t in range(max_new):
-        cur = width + t
-        logits = model(input_ids=new_ids[:, :cur], attention_mask=new_mask[:, :cur],
-                       position_ids=_positions(new_mask[:, :cur])).logits[:, -1].float()
+    new_mask[:, width:] = 1
+    positions = _positions(new_mask)
+    # The wrapped model's forward (DDP) hides the signature: ask the plain module which cache kwarg it takes.
+    inner = getattr(model, "module", model)
+    cache = DynamicCache(config=inner.config)
+    start = 0
+    for cur in range(width, width + max_new):
+        logits = model(input_ids=new_ids[:, start:cur], attention_mask=new_mask[:, :cur],
+                       position_ids=positions[:, start:cur], use_cache=True, logits_to_keep=1,
+                       **{_cache_kwarg(inner): cache}).logits[:, -1].float()
         token = torch.multinomial((logits / temperature).softmax(-1), 1, generator=generator).squeeze(-1)
         new_ids[:, cur] = token if id_map is None else id_map[token]
-        new_mask[:, cur] = 1
+        start = cur
     gen = new_ids[:, width:]
     # Tokens after the draft's first EOS are not a continuation the target would ever see: no loss there.
     after_eos = (gen == eos_id).long().cumsum(-1) - (gen == eos_id).long() > 0 if eos_id is not None else None
@@ -527,6 +540,10 @@ def run(cfg: TrainConfig) -> Path:
     id_map = draft_lib.vocab_lib.draft_to_target_map(model)
     target_vocab = target.get_output_embeddings().out_features if target is not None else len(tokenizer)
     inv_map = losses.target_to_draft_map(id_map, max(target_vocab, len(tokenizer)))
+    if cfg.freeze_embeddings:
+        model.get_input_embeddings().weight.requires_grad_(False)
+    if cfg.freeze_head:
+        model.get_output_embeddings().requires_grad_(False)
     if cfg.lora:
         model = draft_lib.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
     student_vocab = model.get_output_embeddings().out_features if not cfg.lora else \

@@ -1,0 +1,119 @@
+"""Distillation choices at one budget: losses, teacher signal and draft shapes, measured on held-out data.
+
+    python bench/distill.py --train-data runs/smollm2-135m/data \\
+        --heldout embedded=runs/smollm2-135m/data_heldout --heldout spec-bench=runs/specbench/data \\
+        --steps 150 --parallel 2 --variants fkl tvd jsd online on_policy depth6 vocab4096
+
+Every variant trains with `specdec train --config RECIPE` plus the base overrides plus its own, for the same
+number of optimizer steps on the same data; two run side by side with one thread each by default (the
+machine's two cores), so their wall-clock minutes compare with each other but not with a two-thread run.
+Each final draft is then scored teacher-forced on every held-out folder (all rows): greedy top-1 agreement
+with the target and the simulated mean accepted tokens tau(k) for k = 1..8 (exact for greedy decoding: the
+draft sees the target's own prefix at every position). Prints a markdown table and writes results.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+# name -> overrides on top of the base; the base is the embedded recipe's offline forward-KL draft.
+VARIANTS = {
+    "fkl": [],
+    "tvd": ["loss=tvd"],
+    "jsd": ["loss=jsd", "beta=0.5"],
+    "rkl": ["loss=rkl"],
+    "online": ["teacher=online"],
+    "on_policy": ["teacher=on_policy", "on_policy_fraction=0.5"],
+    "depth2": ["draft_layers=0,29"],
+    "depth6": ["draft_layers=0,1,2,3,4,29"],
+    "vocab4096": ["draft_vocab_size=4096"],
+    "vocab16384": ["draft_vocab_size=16384"],
+    "full_head": ["draft_vocab_size=0"],
+}
+BASE = ["learning_rate=1e-3", "warmup_steps=15", "freeze_embeddings=true", "save_every=0", "eval_every=0"]
+
+
+def train(name: str, args, out_root: Path) -> dict:
+    out = out_root / name
+    cmd = [sys.executable, "-m", "specdec.cli", "train", "--config", args.recipe, f"train_data={args.train_data}",
+           f"output_dir={out}", f"max_steps={args.steps}", f"heldout_data={args.heldout[0].split('=', 1)[1]}",
+           *BASE, *VARIANTS[name], *args.set]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    start = time.perf_counter()
+    with open(out_root / f"{name}.log", "w") as log:
+        subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
+    return {"name": name, "overrides": VARIANTS[name], "train_minutes": (time.perf_counter() - start) / 60,
+            "draft": str(out / "final")}
+
+
+def score(result: dict, heldouts: list[str]) -> dict:
+    """Teacher-forced agreement and simulated tau of the final draft on each held-out folder (all rows)."""
+    import torch
+
+    from specdec.models import load_model
+    from specdec.vocab import draft_to_target_map
+    from train.distill import TrainConfig, evaluate, load_split
+
+    model = load_model(result["draft"], dtype="float32", device="cpu")
+    id_map = draft_to_target_map(model)
+    cfg = TrainConfig(eval_batch_size=16)
+    for spec in heldouts:
+        label, folder = spec.split("=", 1)
+        ds = load_split(folder)
+        metrics = evaluate(model, None, [ds[i] for i in range(len(ds))], cfg, 0, id_map, torch.device("cpu"))
+        result[label] = {"agreement": metrics["agreement"], "tau": metrics["tau"], "positions": metrics["positions"]}
+    return result
+
+
+def table(results: list[dict], labels: list[str]) -> str:
+    head = "| variant | overrides | train min | " + " | ".join(
+        f"{lab} agreement | {lab} tau(1) | {lab} tau(4) | {lab} tau(8)" for lab in labels) + " |"
+    lines = [head, "|" + "---|" * (3 + 4 * len(labels))]
+    for r in results:
+        cells = [r["name"], " ".join(r["overrides"]) or "(base)", f"{r['train_minutes']:.1f}"]
+        for lab in labels:
+            m = r[lab]
+            cells += [f"{m['agreement']:.3f}", f"{m['tau'][1]:.2f}", f"{m['tau'][4]:.2f}", f"{m['tau'][8]:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", default="recipes/smollm2-135m.yaml")
+    parser.add_argument("--train-data", required=True, help="a folder written by `specdec data`")
+    parser.add_argument("--heldout", action="append", required=True,
+                        help="LABEL=FOLDER of held-out generated data; repeatable (the first is also the "
+                             "trainer's own held-out split)")
+    parser.add_argument("--variants", nargs="+", default=["fkl", "tvd", "jsd"], choices=sorted(VARIANTS))
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--parallel", type=int, default=2, help="variants trained at once")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per variant")
+    parser.add_argument("--set", nargs="*", default=[], help="extra key=value overrides for every variant")
+    parser.add_argument("--out", default="runs/bench-distill")
+    args = parser.parse_args()
+    out_root = Path(args.out)
+    out_root.mkdir(parents=True, exist_ok=True)
+    with ThreadPoolExecutor(args.parallel) as pool:
+        trained = list(pool.map(lambda n: train(n, args, out_root), args.variants))
+    import torch
+
+    torch.set_num_threads(args.threads * args.parallel)  # scoring runs alone
+    results = [score(r, args.heldout) for r in trained]
+    with open(out_root / "results.jsonl", "a") as f:
+        for r in results:
+            f.write(json.dumps({**r, "steps": args.steps, "base": BASE, "set": args.set}) + "\n")
+    labels = [h.split("=", 1)[0] for h in args.heldout]
+    print(f"{args.steps} optimizer steps per variant, {args.parallel} at once x {args.threads} thread(s)")
+    print(table(results, labels))
+
+
+if __name__ == "__main__":
+    main()
