@@ -29,6 +29,18 @@ def _ms(x) -> str:
     return "n/a" if x is None else f"{1e3 * x:.1f}"
 
 
+def _choose_k_lines(ck: dict | None) -> list[str]:
+    """How k was chosen (choose_k): the calibration table, before any timed run."""
+    if not ck:
+        return []
+    rows = [f"| {k} | {ck['tau'][str(k)]:.3f} | {ck['v'][str(k)]:.3f} | {ck['predicted_speedup'][str(k)]:.3f} |"
+            for k in ck["candidates"]]
+    return [f"k = {ck['chosen']} was chosen before the timed runs by predicted speedup tau(k) / (k c + v(k+1)): tau "
+            f"from the draft teacher-forced on the target's outputs for the first {ck['prompts']} prompt(s), "
+            f"c = {ck['c']:.3f} and v timed then.", "", "| k | tau(k) | v(k+1) | predicted speedup |",
+            "|---:|---:|---:|---:|", *rows, ""]
+
+
 def to_markdown(r: dict) -> str:
     """report.md: verdict first, then the figures, the equivalence, the sweep, categories, method and plots."""
     cfg, env, b, s = r["config"], r["environment"], r["baseline"], r["speculative"]
@@ -75,6 +87,7 @@ def to_markdown(r: dict) -> str:
         f"{r['cost']['draft_step_ms']:.2f} ms, c = {r['cost']['c']:.3f}, v(k+1) = {r['cost']['v']:.3f}; "
         f"expected tokens per round from the per-position acceptance {r['expected_tokens_per_round']:.3f}.",
         "",
+        *_choose_k_lines(r.get("choose_k")),
         f"Memory: draft weights {r['memory']['draft_weights_mb']:.1f} MB, overhead over target-only "
         f"{r['memory']['overhead_mb']:.1f} MB (peak difference plus the draft's weights).",
         "",

@@ -71,6 +71,10 @@ class EvalConfig:
     plot_format: str = "png"
     cost_repeats: int = 10  # cached forwards timed per model to measure the cost ratio c and verify cost v
     equivalence_samples: int = 256  # sampling only: draws for the short distribution check (0: skip)
+    # Candidate k values: before the timed runs, pick the one with the best predicted speedup (see
+    # choose_num_draft_tokens) and measure only it; replaces num_draft_tokens. [] = off.
+    choose_k: list[int] = field(default_factory=list)
+    choose_k_prompts: int = 4  # calibration prompts (the first ones, which also serve as warm-up)
 
     def __post_init__(self) -> None:
         if not self.draft:
@@ -82,6 +86,11 @@ class EvalConfig:
         if not self.batch_size or min(self.batch_size) < 1:
             raise ValueError(f"batch_size must be integers >= 1 (e.g. --batch-size 1,4), got {self.batch_size}")
         self.num_draft_tokens = sorted(set(self.num_draft_tokens))
+        if self.choose_k and min(self.choose_k) < 1:
+            raise ValueError(f"choose_k must list integers >= 1 (e.g. choose_k=1,2,3,4), got {self.choose_k}")
+        self.choose_k = sorted(set(self.choose_k))
+        if self.choose_k_prompts < 1:
+            raise ValueError(f"choose_k_prompts must be >= 1, got {self.choose_k_prompts}")
         self.batch_size = sorted(set(self.batch_size))
         for name in ("max_new_tokens", "cost_repeats"):
             if getattr(self, name) < 1:
@@ -208,6 +217,44 @@ def measure_costs(target, draft, ids: torch.Tensor, ks: list[int], repeats: int)
     return {"target_step_ms": 1e3 * t1, "draft_step_ms": 1e3 * d1, "c": d1 / t1,
             "verify_ms": {str(k): 1e3 * s for k, s in verify.items()},
             "v": {str(k): s / t1 for k, s in verify.items()}}
+
+
+def choose_num_draft_tokens(target, draft, prompts: list[list[int]], candidates: list[int], cfg: "EvalConfig",
+                            eos, pad, device: torch.device) -> dict:
+    """Pick k by predicted speedup: tau(k) / (k c + v(k+1)), all measured here, before any timed run.
+
+    tau(k) comes from the draft teacher-forced on the target's own outputs for `prompts` (one forward per
+    prompt): greedy rounds replayed exactly (train.simulate). Under sampling the target's sampled output and
+    the draft's argmax give an estimate, not the exact figure. c and v are timed as in the report.
+    """
+    from specdec.vocab import draft_to_target_map
+    from train.simulate import simulated_tau
+
+    id_map = draft_to_target_map(draft)
+    agreements = []
+    with torch.inference_mode():
+        for i, prompt in enumerate(prompts):
+            ids = torch.tensor([prompt], device=device)
+            gen = torch.Generator(device=device).manual_seed(cfg.seed + i)
+            out = target_generate(target, ids, None, cfg.sampling(), cfg.max_new_tokens, eos, gen, pad)
+            seq = out.sequences[:, : len(prompt) + metrics.generated_lengths(
+                out.sequences[:, len(prompt):].tolist(), eos)[0]]
+            # The first token comes from the target's prefill; rounds start after it, as in the decoder.
+            n_rounds = seq.shape[1] - len(prompt) - 1
+            if n_rounds < 1:
+                continue
+            logits = draft(input_ids=seq[:, :-1], logits_to_keep=n_rounds).logits[0]
+            guess = logits.argmax(-1)
+            guess = guess if id_map is None else id_map.to(device)[guess]
+            agreements.append((guess == seq[0, len(prompt) + 1:]).tolist())
+    tau = simulated_tau(agreements, candidates)
+    costs = measure_costs(target, draft, torch.tensor([prompts[0]], device=device), candidates, cfg.cost_repeats)
+    predicted = {k: tau[k] / (k * costs["c"] + costs["v"][str(k)]) for k in candidates}
+    chosen = max(candidates, key=lambda k: (predicted[k], -k))
+    log.info("choose_k: predicted speedup %s -> k = %d", {k: round(v, 3) for k, v in predicted.items()}, chosen)
+    return {"candidates": candidates, "prompts": len(prompts), "tau": {str(k): tau[k] for k in candidates},
+            "c": costs["c"], "v": costs["v"], "predicted_speedup": {str(k): predicted[k] for k in candidates},
+            "chosen": chosen}
 
 
 def left_pad(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -359,6 +406,11 @@ def _run(cfg: EvalConfig) -> dict:
         raise ValueError("a prompt encodes to zero tokens; remove empty prompts from the file")
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
+    chosen_k = None
+    if cfg.choose_k:
+        chosen_k = choose_num_draft_tokens(target, draft, encoded[: cfg.choose_k_prompts], cfg.choose_k, cfg,
+                                           eos, pad, device)
+        cfg = dataclasses.replace(cfg, num_draft_tokens=[chosen_k["chosen"]])
     calls, costs, timing = _measure(cfg, target, draft, encoded, eos, pad, device)
 
     draft_mb = _weights_mb(draft)
@@ -372,6 +424,8 @@ def _run(cfg: EvalConfig) -> dict:
 
     eq = _judge(cfg, rows, best, target, draft, encoded[0], draft_mb)
     result = _assemble(cfg, prompts, rows, best, eq, costs, device, timing, draft_mb)
+    if chosen_k is not None:
+        result["choose_k"] = chosen_k
     out_dir.mkdir(parents=True, exist_ok=True)
     _write_samples(out_dir / "samples.jsonl", prompts, best)
     result["plots"] = plots.make_all(result, rows, best, out_dir, cfg.plot_format)

@@ -216,3 +216,23 @@ def test_every_recipe_eval_section_builds_a_config(recipe):
 
     cfg = load_config(EvalConfig, recipe, [], section="eval")
     assert cfg.draft and cfg.num_draft_tokens and cfg.out_dir().name == "eval"
+
+
+def test_choose_k_predicts_tau_exactly_and_measures_only_the_chosen_k(tiny_checkpoints, tmp_path):
+    assert _eval(tiny_checkpoints, tmp_path, "choose_k=1,2,3", "choose_k_prompts=4", "num_prompts=4",
+                 "--temperature", "0", "warmup=0") == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    ck = report["choose_k"]
+    assert ck["candidates"] == [1, 2, 3] and ck["prompts"] == 4
+    assert ck["chosen"] == max(ck["candidates"], key=lambda k: (ck["predicted_speedup"][str(k)], -k))
+    assert report["config"]["num_draft_tokens"] == ck["chosen"] and "sweep" not in report
+    # Greedy on the same prompts: the teacher-forced replay is the decoder's own tokens per round.
+    assert ck["tau"][str(ck["chosen"])] == pytest.approx(report["speculative"]["mean_accepted_tokens"])
+    assert "was chosen before the timed runs" in (tmp_path / "report.md").read_text()
+    # The target as its own draft accepts everything: tau well above 1, and still replayed exactly.
+    perfect = {**tiny_checkpoints, "draft": tiny_checkpoints["target"]}
+    assert _eval(perfect, tmp_path / "p", "choose_k=2,3", "num_prompts=4", "choose_k_prompts=4", "warmup=0") == 0
+    report = json.loads((tmp_path / "p" / "report.json").read_text())
+    ck = report["choose_k"]
+    assert ck["tau"]["3"] > 2.5 and ck["tau"]["2"] > 2.0
+    assert ck["tau"][str(ck["chosen"])] == pytest.approx(report["speculative"]["mean_accepted_tokens"])
