@@ -23,7 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-# name -> overrides on top of the base; the base is the embedded recipe's offline forward-KL draft.
+# name -> overrides on top of BASE: an offline forward-KL draft from target layers 0, 1, 29, 8192-id head.
 VARIANTS = {
     "fkl": [],
     "tvd": ["loss=tvd"],
@@ -32,12 +32,14 @@ VARIANTS = {
     "online": ["teacher=online"],
     "on_policy": ["teacher=on_policy", "on_policy_fraction=0.5"],
     "depth2": ["draft_layers=0,29"],
+    "depth4": ["draft_layers=0,1,2,29"],
     "depth6": ["draft_layers=0,1,2,3,4,29"],
     "vocab4096": ["draft_vocab_size=4096"],
     "vocab16384": ["draft_vocab_size=16384"],
     "full_head": ["draft_vocab_size=0"],
 }
-BASE = ["learning_rate=1e-3", "warmup_steps=15", "freeze_embeddings=true", "save_every=0", "eval_every=0"]
+BASE = ["draft_layers=0,1,29", "draft_vocab_size=8192", "teacher=offline", "loss=fkl", "learning_rate=1e-3",
+        "warmup_steps=15", "freeze_embeddings=true", "per_device_batch_size=16", "save_every=0", "eval_every=0"]
 
 
 def train(name: str, args, out_root: Path) -> dict:

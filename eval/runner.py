@@ -211,15 +211,18 @@ def _median_step(model, ids: torch.Tensor, n_new: int, repeats: int) -> float:
 
 def measure_costs(target, draft, ids: torch.Tensor, ks: list[int], repeats: int) -> dict:
     """c = draft step / target step and v(k+1) = verify of k+1 tokens / target step, from cached forwards."""
-    t1 = _median_step(target, ids, 1, repeats)
-    d1 = _median_step(draft, ids, 1, repeats)
-    verify = {k: _median_step(target, ids, k + 1, repeats) for k in ks}
+    from specdec.fast_head import fast_heads
+
+    with fast_heads(target, draft):  # the heads the decoders use
+        t1 = _median_step(target, ids, 1, repeats)
+        d1 = _median_step(draft, ids, 1, repeats)
+        verify = {k: _median_step(target, ids, k + 1, repeats) for k in ks}
     return {"target_step_ms": 1e3 * t1, "draft_step_ms": 1e3 * d1, "c": d1 / t1,
             "verify_ms": {str(k): 1e3 * s for k, s in verify.items()},
             "v": {str(k): s / t1 for k, s in verify.items()}}
 
 
-def choose_num_draft_tokens(target, draft, prompts: list[list[int]], candidates: list[int], cfg: "EvalConfig",
+def choose_num_draft_tokens(target, draft, prompts: list[list[int]], candidates: list[int], cfg: EvalConfig,
                             eos, pad, device: torch.device) -> dict:
     """Pick k by predicted speedup: tau(k) / (k c + v(k+1)), all measured here, before any timed run.
 

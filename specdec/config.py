@@ -38,9 +38,19 @@ def _unwrap_optional(tp: Any) -> Any:
     return tp
 
 
+class _CliText(str):
+    """A `key=value` override's text, parsed once the field's type is known: a text field keeps it as typed
+    (`mixed_precision=no` stays "no" instead of becoming YAML's boolean false)."""
+
+
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Turn a YAML/CLI value into the field's declared type, or raise a ValueError naming the key."""
     tp = _unwrap_optional(tp)
+    if isinstance(value, _CliText):
+        text = str(value)
+        if tp is str and text.strip() not in ("null", "~"):
+            return text
+        value = yaml.safe_load(text) if text.strip() else ""
     if value is None:
         return None
     if dataclasses.is_dataclass(tp):
@@ -71,6 +81,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ValueError(f"{key}: expected {tp.__name__}, got {value!r}")
         return number
     if tp is str:
+        if isinstance(value, bool):
+            raise ValueError(f"{key}: expected text, got the YAML boolean {str(value).lower()}; quote the value in "
+                             f"the recipe (e.g. {key.rsplit('.', 1)[-1]}: \"no\")")
         return str(value)
     return value
 
@@ -139,7 +152,7 @@ def load_config(
             if head != section:
                 continue
             key = rest
-        _set_dotted(values, key, yaml.safe_load(text) if text.strip() else "")
+        _set_dotted(values, key, _CliText(text))
     return _build(cls, values)
 
 

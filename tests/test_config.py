@@ -63,3 +63,12 @@ def test_cli_flags_lists_and_booleans(tmp_path):
         split_cli(["--seed"], Cfg)
     with pytest.raises(ValueError, match="unexpected argument"):
         split_cli(["stray"], Cfg)
+
+
+def test_text_fields_keep_yaml_keywords_as_typed(tmp_path):
+    # YAML reads `no`, `on`, `null` as keywords; a text field on the command line keeps what was typed.
+    cfg = load_config(Cfg, None, ["target=no", "note=on", "seed=7"])
+    assert (cfg.target, cfg.note, cfg.seed) == ("no", "on", 7)
+    assert load_config(Cfg, None, ["note=null"]).note is None
+    with pytest.raises(ValueError, match='quote the value in the recipe.*target: "no"'):
+        load_config(Cfg, write(tmp_path, "target: no\n"))
