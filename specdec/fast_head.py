@@ -18,12 +18,14 @@ and a k + 1 token verification; both decoders use the same head, so greedy exact
 from __future__ import annotations
 
 import contextlib
+import os
 import types
 
 import torch
 
 _DTYPES = (torch.float32, torch.float64)
 MAX_ROWS = 16  # measured crossover between 16 and 64 rows on the development CPU
+ENABLED = True  # bench/decode.py turns it off to attribute the gain; SPECDEC_FAST_HEAD=0 does too
 
 
 def head_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -49,6 +51,8 @@ def _eligible(head) -> bool:
 def fast_heads(*models):
     """Within the block, the CPU heads of `models` use `head_forward`; restored afterwards."""
     patched = []
+    if not ENABLED or os.environ.get("SPECDEC_FAST_HEAD", "1") == "0":
+        models = ()
     for model in models:
         head = model.get_output_embeddings() if model is not None and hasattr(model, "get_output_embeddings") else None
         if head is not None and _eligible(head):

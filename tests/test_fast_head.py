@@ -40,3 +40,10 @@ def test_fast_heads_skips_other_dtypes():
     model = tiny_llama(seed=0, dtype=torch.bfloat16)
     with fast_heads(model):
         assert "forward" not in model.get_output_embeddings().__dict__
+
+
+def test_fast_heads_can_be_switched_off(monkeypatch):
+    model = tiny_llama(seed=0)
+    monkeypatch.setenv("SPECDEC_FAST_HEAD", "0")
+    with fast_heads(model):
+        assert "forward" not in model.get_output_embeddings().__dict__
