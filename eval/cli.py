@@ -18,6 +18,8 @@ recommended configuration at the top level and adds a `sweep` table. Decision th
 `enable`): min_acceptance_rate=0.5 min_speedup=1.1 max_memory_overhead=0.2 (beyond the draft's weights).
 Other keys: seed, warmup, num_prompts, use_chat_template, device, dtype, threads, recommend_by
 (speedup|tokens_per_s|latency_p50|latency_p95), plot_format, cost_repeats, equivalence_samples, report_to.
+choose_k=1,2,3,4 picks k before the timed runs by predicted speedup (a teacher-forced replay of the draft on the
+target's outputs for the first choose_k_prompts prompts, plus timed costs) and measures only that k.
 Prompts: .jsonl/.json with {"prompt"}, {"messages"}, ShareGPT or Spec-Bench records; default embedded:heldout
 (the shipped held-out set). The report goes to --out, else to output_dir/eval from the recipe.
 """
