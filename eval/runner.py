@@ -13,7 +13,6 @@ marks for TTFT and ITL); token counting, memory reads and bookkeeping happen out
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import logging
 import os
@@ -30,7 +29,7 @@ from tqdm.auto import tqdm
 from eval import decision as decision_mod
 from eval import equivalence, metrics, plots, report
 from eval.verify import _draft_tokenizer, check_pair, first_turn, resolve_prompts_path
-from specdec.decode import speculative_generate, target_generate
+from specdec.decode import cache_kwarg, speculative_generate, target_generate
 from specdec.sampling import SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -180,16 +179,12 @@ def _weights_mb(model) -> float:
     return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())) / 2**20
 
 
-def _cache_kwarg(model) -> str:
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 def _median_step(model, ids: torch.Tensor, n_new: int, repeats: int) -> float:
     """Median seconds of a cached forward of n_new tokens after the prompt `ids` [B, L] (cache cut back each time)."""
     from transformers import DynamicCache
 
     device = ids.device
-    kwarg = _cache_kwarg(model)
+    kwarg = cache_kwarg(model)
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
         model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kwarg: cache})

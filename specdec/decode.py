@@ -17,6 +17,7 @@ draft reads first next round.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import time
@@ -174,7 +175,24 @@ class _Batch:
         return self.length >= self.max_length or (self.eos.numel() > 0 and bool(self.finished.all()))
 
 
-def _cache_kwarg(model) -> str:
+def _with_fast_heads(*names: str):
+    """Run the decorated decoder with the CPU head fast path on the named models (specdec/fast_head.py)."""
+
+    def decorate(fn):
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            bound = signature.bind_partial(*args, **kwargs).arguments
+            with fast_heads(*(bound.get(name) for name in names)):
+                return fn(*args, **kwargs)
+
+        return wrapper
+
+    return decorate
+
+
+def cache_kwarg(model) -> str:
     # transformers 5.x renamed `past_key_values` to `cache` in forward(); accept either.
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
@@ -294,6 +312,7 @@ def _target_steps(target, cache, batch, sampling, generator, stats, clock, kwarg
 
 
 @torch.inference_mode()
+@_with_fast_heads("target")
 def target_generate(
     target,
     input_ids: torch.Tensor,
@@ -311,28 +330,27 @@ def target_generate(
     `top_logprobs=n` also keeps the n most likely ids and log-probs at every generated position (the
     distillation teacher signal), taken from the decoding logits themselves.
     """
-    with fast_heads(target):  # the CPU head fast path, scoped to this call (specdec/fast_head.py)
-        _check_inputs(target, input_ids, attention_mask, max_new_tokens, lookahead=0)
-        if top_logprobs < 0:
-            raise ValueError(f"top_logprobs must be >= 0 (0 = off), got {top_logprobs}")
-        batch = _Batch(input_ids, attention_mask, max_new_tokens, 0, eos_token_id, _pad_id(pad_token_id, eos_token_id))
-        stats, clock, kwarg = DecodeStats(), _Clock(timing, input_ids.device), _cache_kwarg(target)
-        top_n = _TopN(top_logprobs)
-        cache, logits = _prefill(target, batch, kwarg)
-        stats.target_forwards += 1
-        top_n(logits)
-        clock.mark(batch.append(next_token(logits, sampling, generator)[:, None]))
-        _target_steps(target, cache, batch, sampling, generator, stats, clock, kwarg, top_n)
-        top_ids, top_lp = top_n.stacked()
-        return GenerateOutput(batch.sequences(), stats, batch.prompt_length, timings=clock.marks,
-                              top_ids=top_ids, top_logprobs=top_lp)
+    _check_inputs(target, input_ids, attention_mask, max_new_tokens, lookahead=0)
+    if top_logprobs < 0:
+        raise ValueError(f"top_logprobs must be >= 0 (0 = off), got {top_logprobs}")
+    batch = _Batch(input_ids, attention_mask, max_new_tokens, 0, eos_token_id, _pad_id(pad_token_id, eos_token_id))
+    stats, clock, kwarg = DecodeStats(), _Clock(timing, input_ids.device), cache_kwarg(target)
+    top_n = _TopN(top_logprobs)
+    cache, logits = _prefill(target, batch, kwarg)
+    stats.target_forwards += 1
+    top_n(logits)
+    clock.mark(batch.append(next_token(logits, sampling, generator)[:, None]))
+    _target_steps(target, cache, batch, sampling, generator, stats, clock, kwarg, top_n)
+    top_ids, top_lp = top_n.stacked()
+    return GenerateOutput(batch.sequences(), stats, batch.prompt_length, timings=clock.marks,
+                          top_ids=top_ids, top_logprobs=top_lp)
 
 
 class _Draft:
     """The draft side of a round: its cache, its vocabulary map, and proposal of k tokens."""
 
     def __init__(self, draft, target_vocab: int, batch: _Batch, sampling: SamplingConfig):
-        self.model, self.sampling, self.kwarg = draft, sampling, _cache_kwarg(draft)
+        self.model, self.sampling, self.kwarg = draft, sampling, cache_kwarg(draft)
         self.vocab = target_vocab
         rows = draft.get_output_embeddings().out_features
         id_map = draft_to_target_map(draft)
@@ -374,6 +392,7 @@ class _Draft:
 
 
 @torch.inference_mode()
+@_with_fast_heads("target", "draft")
 def speculative_generate(
     target,
     draft,
@@ -389,61 +408,60 @@ def speculative_generate(
     trace: bool = False,
 ) -> GenerateOutput:
     """Speculative decoding, exact: greedy output equals `target_generate`'s; sampled output is distributed as p."""
-    with fast_heads(target, draft):
-        k = num_draft_tokens
-        _check_inputs(target, input_ids, attention_mask, max_new_tokens, k + 1, draft, k)
-        batch = _Batch(input_ids, attention_mask, max_new_tokens, k + 1, eos_token_id, _pad_id(pad_token_id, eos_token_id))
-        stats = DecodeStats(num_draft_tokens=k, position_tried=[0] * k, position_accepted=[0] * k)
-        clock, kwarg, rounds = _Clock(timing, input_ids.device), _cache_kwarg(target), []
-        t_cache, logits = _prefill(target, batch, kwarg)
-        stats.target_forwards += 1
-        clock.mark(batch.append(next_token(logits, sampling, generator)[:, None]))
-        first_tokens = batch.live_appended.clone()  # tau counts tokens from rounds only
-        vocab = target.get_output_embeddings().out_features
+    k = num_draft_tokens
+    _check_inputs(target, input_ids, attention_mask, max_new_tokens, k + 1, draft, k)
+    batch = _Batch(input_ids, attention_mask, max_new_tokens, k + 1, eos_token_id, _pad_id(pad_token_id, eos_token_id))
+    stats = DecodeStats(num_draft_tokens=k, position_tried=[0] * k, position_accepted=[0] * k)
+    clock, kwarg, rounds = _Clock(timing, input_ids.device), cache_kwarg(target), []
+    t_cache, logits = _prefill(target, batch, kwarg)
+    stats.target_forwards += 1
+    clock.mark(batch.append(next_token(logits, sampling, generator)[:, None]))
+    first_tokens = batch.live_appended.clone()  # tau counts tokens from rounds only
+    vocab = target.get_output_embeddings().out_features
+    try:
+        drafter = _Draft(draft, vocab, batch, sampling)
+    except Exception as err:  # noqa: BLE001 - any draft failure means target-only, never a failed request
+        return _fall_back(err, target, t_cache, batch, sampling, generator, stats, clock, kwarg, rounds)
+
+    while not batch.done():
+        length = batch.length
+        k_round = max(1, min(k, batch.max_length - length - 1))  # no proposals past max_new_tokens
+        active = ~batch.finished
         try:
-            drafter = _Draft(draft, vocab, batch, sampling)
-        except Exception as err:  # noqa: BLE001 - any draft failure means target-only, never a failed request
+            drafted, q = drafter.propose(batch, k_round, generator, stats)  # [B, k], [B, k, V] | None
+            if int(drafted.min()) < 0 or int(drafted.max()) >= vocab:
+                raise RuntimeError("draft proposed token ids outside the target's vocabulary")
+        except Exception as err:  # noqa: BLE001
+            stats.emitted = int(batch.live_appended - first_tokens)
             return _fall_back(err, target, t_cache, batch, sampling, generator, stats, clock, kwarg, rounds)
 
-        while not batch.done():
-            length = batch.length
-            k_round = max(1, min(k, batch.max_length - length - 1))  # no proposals past max_new_tokens
-            active = ~batch.finished
-            try:
-                drafted, q = drafter.propose(batch, k_round, generator, stats)  # [B, k], [B, k, V] | None
-                if int(drafted.min()) < 0 or int(drafted.max()) >= vocab:
-                    raise RuntimeError("draft proposed token ids outside the target's vocabulary")
-            except Exception as err:  # noqa: BLE001
-                stats.emitted = int(batch.live_appended - first_tokens)
-                return _fall_back(err, target, t_cache, batch, sampling, generator, stats, clock, kwarg, rounds)
+        # 2. the target scores [last token, d_1..d_k] in one forward.
+        p_logits = _forward(target, t_cache, batch, length + k_round, 0, kwarg)  # [B, k+1, V]
+        stats.target_forwards += 1
+        # 3. verification.
+        if sampling.greedy:
+            verdict = greedy_verify(drafted, p_logits)
+        else:
+            verdict = rejection_verify(drafted, q, probabilities(p_logits, sampling), generator)
+        # 4. advance every row by T + 1, each row's token at T + 1 being its own outcome there (rule 5).
+        n_host, active_host = torch.stack([verdict.num_accepted, active.long()]).tolist()  # the round's one sync
+        n_active = [n for n, a in zip(n_host, active_host) if a]
+        t_min = min(n_active)
+        own = verdict.next_token
+        if t_min < k_round:
+            own = torch.where(verdict.num_accepted > t_min, drafted[:, t_min], verdict.next_token)
+        new = torch.cat([drafted[:, :t_min], own[:, None]], dim=1)  # [B, T+1]
+        appended = batch.append(new)
+        clock.mark(appended)
+        # 5. roll both caches back to the kept prefix; the draft reads what it has not seen next round.
+        _rollback(t_cache, batch.length - 1)
+        _rollback(drafter.cache, min(drafter.cache.get_seq_length(), batch.length - 1))
+        _count_round(stats, n_active, k_round)
+        if trace:
+            rounds.append(RoundTrace(drafted, verdict.num_accepted, verdict.next_token, appended))
 
-            # 2. the target scores [last token, d_1..d_k] in one forward.
-            p_logits = _forward(target, t_cache, batch, length + k_round, 0, kwarg)  # [B, k+1, V]
-            stats.target_forwards += 1
-            # 3. verification.
-            if sampling.greedy:
-                verdict = greedy_verify(drafted, p_logits)
-            else:
-                verdict = rejection_verify(drafted, q, probabilities(p_logits, sampling), generator)
-            # 4. advance every row by T + 1, each row's token at T + 1 being its own outcome there (rule 5).
-            n_host, active_host = torch.stack([verdict.num_accepted, active.long()]).tolist()  # the round's one sync
-            n_active = [n for n, a in zip(n_host, active_host) if a]
-            t_min = min(n_active)
-            own = verdict.next_token
-            if t_min < k_round:
-                own = torch.where(verdict.num_accepted > t_min, drafted[:, t_min], verdict.next_token)
-            new = torch.cat([drafted[:, :t_min], own[:, None]], dim=1)  # [B, T+1]
-            appended = batch.append(new)
-            clock.mark(appended)
-            # 5. roll both caches back to the kept prefix; the draft reads what it has not seen next round.
-            _rollback(t_cache, batch.length - 1)
-            _rollback(drafter.cache, min(drafter.cache.get_seq_length(), batch.length - 1))
-            _count_round(stats, n_active, k_round)
-            if trace:
-                rounds.append(RoundTrace(drafted, verdict.num_accepted, verdict.next_token, appended))
-
-        stats.emitted = int(batch.live_appended - first_tokens)
-        return GenerateOutput(batch.sequences(), stats, batch.prompt_length, rounds, clock.marks)
+    stats.emitted = int(batch.live_appended - first_tokens)
+    return GenerateOutput(batch.sequences(), stats, batch.prompt_length, rounds, clock.marks)
 
 
 def _count_round(stats: DecodeStats, n_active: list[int], k: int) -> None:

@@ -47,3 +47,25 @@ def test_fast_heads_can_be_switched_off(monkeypatch):
     monkeypatch.setenv("SPECDEC_FAST_HEAD", "0")
     with fast_heads(model):
         assert "forward" not in model.get_output_embeddings().__dict__
+
+
+def test_the_decoders_use_the_fast_head_and_restore_it(monkeypatch):
+    import specdec.fast_head as fh
+    from specdec import speculative_generate, target_generate
+
+    calls = []
+
+    def counting(self, x):
+        calls.append(x.reshape(-1, x.shape[-1]).shape[0])
+        return head_forward(self, x)
+
+    monkeypatch.setattr(fh, "head_forward", counting)
+    target, draft = tiny_llama(seed=0), tiny_llama(seed=1, layers=1)
+    ids = torch.tensor([[5, 9, 11]])
+    ref = target_generate(target=target, input_ids=ids, max_new_tokens=6)  # keywords bind too
+    assert len(calls) == 6 and "forward" not in target.get_output_embeddings().__dict__
+    calls.clear()
+    out = speculative_generate(target, draft, ids, num_draft_tokens=3, max_new_tokens=6)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert 4 in calls  # a verification forward of k + 1 rows went through the fast head
+    assert all("forward" not in m.get_output_embeddings().__dict__ for m in (target, draft))

@@ -265,7 +265,7 @@ def on_policy_batch(model, batch: dict, max_new: int, temperature: float, id_map
     """Replace completions by short continuations sampled from the draft (left-padded prompts), with a KV cache."""
     from transformers import DynamicCache
 
-    from specdec.decode import _cache_kwarg
+    from specdec.decode import cache_kwarg
 
     ids, mask, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
     prompt_lens = [int(m.nonzero()[0]) + 1 if m.any() else int(a.sum()) for m, a in zip(loss_mask, mask)]
@@ -284,7 +284,7 @@ def on_policy_batch(model, batch: dict, max_new: int, temperature: float, id_map
     for cur in range(width, width + max_new):
         logits = model(input_ids=new_ids[:, start:cur], attention_mask=new_mask[:, :cur],
                        position_ids=positions[:, start:cur], use_cache=True, logits_to_keep=1,
-                       **{_cache_kwarg(inner): cache}).logits[:, -1].float()
+                       **{cache_kwarg(inner): cache}).logits[:, -1].float()
         token = torch.multinomial((logits / temperature).softmax(-1), 1, generator=generator).squeeze(-1)
         new_ids[:, cur] = token if id_map is None else id_map[token]
         start = cur
