@@ -30,7 +30,8 @@ def pair():
 
 def exact_joint(target, prompt: list[int], sampling: SamplingConfig) -> torch.Tensor:
     """P(first M generated tokens) under the warped target, by enumeration.  -> [V ** M]"""
-    return verify_cmd.exact_joint(target, torch.tensor(prompt), M, sampling)
+    device = next(target.parameters()).device
+    return verify_cmd.exact_joint(target, torch.tensor(prompt, device=device), M, sampling).cpu()
 
 
 def left_pad(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,17 +42,19 @@ def left_pad(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def sample_counts(target, draft, prompts, sampling, k, calls, copies, seed) -> list[torch.Tensor]:
-    """Counts of the first M tokens per distinct prompt, over calls x copies samples each."""
-    ids, mask = left_pad([p for p in prompts for _ in range(copies)])
+    """Counts of the first M tokens per distinct prompt, over calls x copies samples each (on the target's
+    device, with a generator there)."""
+    device = next(target.parameters()).device
+    ids, mask = (t.to(device) for t in left_pad([p for p in prompts for _ in range(copies)]))
     if len(prompts) == 1:
         mask = None
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
     counts = [torch.zeros(VOCAB**M, dtype=torch.long) for _ in prompts]
     for _ in range(calls):
         out = speculative_generate(target, draft, ids, mask, num_draft_tokens=k, sampling=sampling,
                                    max_new_tokens=M + 1, generator=g)
         first = out.sequences[:, out.prompt_length: out.prompt_length + M]
-        index = (first * torch.tensor([VOCAB**2, VOCAB, 1])).sum(1)
+        index = (first * torch.tensor([VOCAB**2, VOCAB, 1], device=device)).sum(1).cpu()
         for j in range(len(prompts)):
             counts[j] += torch.bincount(index[j * copies:(j + 1) * copies], minlength=VOCAB**M)
     return counts

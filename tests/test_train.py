@@ -235,7 +235,9 @@ def _recipe(ws: Path, path: Path, out: Path, **train) -> Path:
 
 
 def _env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT))
+    # The checkout first, then whatever the caller had on PYTHONPATH (packages installed outside site-packages).
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=path)
     env.pop("WANDB_MODE", None)
     return env
 
@@ -263,7 +265,8 @@ def test_accelerate_launch_two_cpu_processes(workspace, tmp_path):
     # The venv's own accelerate (the venv need not be on PATH).
     proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
                            "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "train", "--config", str(recipe)],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+                          cwd=ROOT, env=dict(_env(), CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True,
+                          timeout=600)  # CPU only, on a GPU machine too: torchrun would give rank 1 a missing cuda:1
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = tmp_path / "out"
     assert (out / "final" / "config.json").is_file()

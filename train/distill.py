@@ -675,7 +675,8 @@ def run(cfg: TrainConfig) -> Path:
     save_checkpoint(accelerator, ckpt_root, step, {"step": step, "best": _jsonable(best)}, cfg.keep_checkpoints)
     final = export_draft(accelerator, model, tokenizer, out / "final")
     if main_proc:
-        summary = {"final": str(final), "steps": step, "best": _jsonable(best), "config": to_dict(cfg)}
+        summary = {"final": str(final), "steps": step, "best": _jsonable(best), "device": str(device),
+                   "processes": world, "mixed_precision": accelerator.mixed_precision, "config": to_dict(cfg)}
         (out / "train_summary.json").write_text(json.dumps(summary, indent=1))
         log.info("final draft: %s (best tau(k=%d) %.3f at step %s -> %s)", final, cfg.best_k, best["tau"],
                  best["step"], out / "best")
