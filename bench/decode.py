@@ -58,17 +58,18 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=6, help="number of prompts (plus one warm-up)")
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--dtype", default="float32", help="both models' dtype (bfloat16 on CPUs that do it natively)")
     args = parser.parse_args()
 
     torch.manual_seed(0)
     tokenizer = load_tokenizer(args.target)
-    target = load_model(args.target, dtype="float32", device="cpu")
+    target = load_model(args.target, dtype=args.dtype, device="cpu")
     if args.draft:
-        draft = load_model(args.draft, dtype="float32", device="cpu")
+        draft = load_model(args.draft, dtype=args.dtype, device="cpu")
     else:
         from train.draft import derive_draft
 
-        draft = derive_draft(target, [int(x) for x in args.layers.split(",")])
+        draft = derive_draft(target, [int(x) for x in args.layers.split(",")]).to(getattr(torch, args.dtype))
     draft.eval()
     # transformers' assistant: exactly k tokens per round (no confidence early stop, no schedule).
     draft.generation_config.num_assistant_tokens = args.k
@@ -128,7 +129,7 @@ def main() -> None:
     stats = stats[1:]
 
     rate = {name: tokens[name] / seconds[name] for name in modes}
-    print(f"\nmachine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+    print(f"\nmachine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, {args.dtype}, "
           f"torch {torch.__version__}; target {args.target}; draft "
           f"{args.draft or 'layers ' + args.layers + ' of the target'}; greedy, batch 1, k={args.k}, "
           f"{len(encoded) - 1} prompts x {args.max_new_tokens} new tokens (+1 warm-up)\n")

@@ -4,8 +4,9 @@
     python -m train.data prompts=my.jsonl target=HuggingFaceTB/SmolLM2-1.7B-Instruct output_dir=runs/data
     accelerate launch --multi_gpu --num_processes 4 -m train.data --config recipes/X.yaml   # shards split over processes
 
-Prompts come from a local .jsonl/.json/.parquet/.csv file, a Hub dataset name, or the embedded prompt set
-(`embedded:train`, `embedded:heldout`); every row goes through `specdec.prompts.normalise_record`.
+Prompts come from a local .jsonl/.json/.parquet/.csv file, a Hub dataset name, the embedded prompt set
+(`embedded:train`, `embedded:heldout`), or `self:N`: N requests the target writes itself (train/self_prompts.py).
+Every row goes through `specdec.prompts.normalise_record`.
 
 Output, resumable (rerun the same command after a crash; finished shards are kept):
 
@@ -60,7 +61,7 @@ class DataConfig:
     """`specdec data` settings (recipe section `data:` plus the shared keys)."""
 
     target: str = EMBEDDED_TARGET
-    prompts: str = "embedded:train"  # local file, Hub dataset name, or embedded:train / embedded:heldout
+    prompts: str = "embedded:train"  # local file, Hub dataset name, embedded:train / embedded:heldout, or self:N
     split: str = "train"  # Hub datasets only
     column_map: dict[str, str] | None = None  # rename a data set's columns, e.g. {instruction: prompt}
     spec_bench_turns: str = "all"  # multi-turn prompts: "all" turns (each after the target's own answers) or "first"
@@ -82,6 +83,10 @@ class DataConfig:
     device: str = "auto"
     dtype: str = "auto"
     limit: int | None = None  # use only the first N prompts
+    # prompts=self:N: the target writes N user requests itself (train/self_prompts.py)
+    self_prompt_temperature: float = 0.8
+    self_prompt_top_p: float = 1.0
+    self_prompt_max_tokens: int = 64
     overwrite: bool = False  # replace an existing output_dir made with different settings
 
     def __post_init__(self) -> None:
@@ -160,9 +165,36 @@ def _load_rows(source: str, split: str) -> list[dict]:
     return [_drop_nulls(row) for row in ds]
 
 
-def load_prompt_set(cfg: DataConfig) -> list[Prompt]:
-    """The configured prompts as Prompt objects (first `limit` rows), with unique ids."""
-    rows = _load_rows(cfg.prompts, cfg.split)
+def prompt_sources(cfg: DataConfig) -> list[str]:
+    """`prompts` may name several sources, comma-separated (e.g. embedded:train,self:1500)."""
+    sources = [part.strip() for part in cfg.prompts.split(",") if part.strip()]
+    if not sources:
+        raise ValueError("prompts is empty; name a prompt file, a Hub dataset, embedded:train or self:N")
+    return sources
+
+
+def _self_prompt_file(cfg: DataConfig, n: int, procs: _Processes | None) -> Path:
+    """The file of n target-written prompts (self:N), written first by the main process if needed."""
+    from train import self_prompts
+
+    if procs is None or procs.is_main:
+        self_prompts.generate(cfg, n, Path(cfg.output_dir), procs.device if procs else None)
+    if procs is not None:
+        procs.barrier()
+    return self_prompts.path_for(cfg, Path(cfg.output_dir))
+
+
+def load_prompt_set(cfg: DataConfig, procs: _Processes | None = None) -> list[Prompt]:
+    """The configured prompts as Prompt objects (the first `limit` rows of all sources), with unique ids."""
+    from train import self_prompts
+
+    rows: list[dict] = []
+    for source in prompt_sources(cfg):
+        n = self_prompts.count_from(source)
+        if n is None:
+            rows += _load_rows(source, cfg.split)
+        else:
+            rows += _load_rows(str(_self_prompt_file(cfg, n, procs)), cfg.split)[:n]
     if cfg.limit is not None:
         rows = rows[: cfg.limit]
     if not rows:
@@ -609,7 +641,7 @@ def run(cfg: DataConfig) -> dict:
     if cfg.backend == "vllm" and procs.count > 1:
         raise ValueError("backend=vllm runs as one process (vLLM spreads a model over GPUs itself); launch it "
                          "with plain `specdec data`, not accelerate launch")
-    prompts = load_prompt_set(cfg)
+    prompts = load_prompt_set(cfg, procs)
     tokenizer = load_tokenizer(cfg.target)
     context_limit = _context_limit(cfg.target)
     items, skipped, prompt_digest = plan_items(prompts, tokenizer, cfg, context_limit)

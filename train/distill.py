@@ -56,7 +56,7 @@ class TrainConfig:
     report_to: str = "none"  # none | wandb
     run_name: str = ""
     # data (folders written by `specdec data`; "" = <output_dir>/data and <output_dir>/data_heldout)
-    train_data: str = ""
+    train_data: str = ""  # `specdec data` folder(s), comma-separated; default <output_dir>/data
     heldout_data: str = ""
     heldout_fraction: float = 0.05  # split off by prompt_id when there is no held-out folder
     max_length: int = 1024
@@ -167,11 +167,16 @@ def _in_heldout(prompt_id: str, fraction: float) -> bool:
 def load_data(cfg: TrainConfig):
     """(train, heldout) datasets; held-out is its own folder or a hash split of prompt ids."""
     out = Path(cfg.output_dir)
-    train_path = Path(cfg.train_data) if cfg.train_data else out / "data"
-    if not train_path.is_dir():
-        raise ValueError(f"training data {train_path} not found; run `specdec data --config ...` first or set "
-                         "train_data=<folder>")
-    train = load_split(train_path)
+    train_paths = [Path(p) for p in cfg.train_data.split(",") if p.strip()] if cfg.train_data else [out / "data"]
+    for path in train_paths:
+        if not path.is_dir():
+            raise ValueError(f"training data {path} not found; run `specdec data --config ...` first or set "
+                             "train_data=<folder>[,<folder>...]")
+    train = load_split(train_paths[0])
+    if len(train_paths) > 1:  # several `specdec data` folders, e.g. a prompt set and self-written prompts
+        import datasets
+
+        train = datasets.concatenate_datasets([train, *(load_split(p) for p in train_paths[1:])])
     heldout_path = Path(cfg.heldout_data) if cfg.heldout_data else out / "data_heldout"
     if heldout_path.is_dir():
         return train, load_split(heldout_path)
