@@ -46,7 +46,8 @@ def test_recipe_parses_and_train_section_loads(path):
 def test_embedded_recipes_use_the_shared_prompt_keywords():
     for name in ("smollm2-135m.yaml", "smollm2-135m-quick.yaml"):
         raw = yaml.safe_load((ROOT / "recipes" / name).read_text())
-        assert raw["target"] == "embedded:smollm2-135m-instruct" and raw["data"]["prompts"] == "embedded:train"
+        assert raw["target"] == "embedded:smollm2-135m-instruct"
+        assert raw["data"]["prompts"].split(",")[0] == "embedded:train"
         assert "prompts=embedded:heldout" in (ROOT / "recipes" / name).read_text()
         # The trainer's default data folders are the ones the data section writes.
         assert raw["data"]["output_dir"] == f"{raw['output_dir']}/data"

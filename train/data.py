@@ -715,6 +715,9 @@ _HELP = """usage: specdec data [--config recipes/X.yaml] [key=value ...] [--key 
 
 Generate the target's own completions for a prompt set (resumable; rerun the same command to continue).
 
+prompts: a local .jsonl/.json/.parquet/.csv file, a Hub dataset, embedded:train, embedded:heldout, or self:N
+(N requests the target writes itself, as in Magpie), or several of these joined by commas.
+
 options (recipe section `data:`; defaults in brackets):
 """ + "\n".join(f"  {f.name:<18} [{f.default!r}]" for f in dataclasses.fields(DataConfig))
 
