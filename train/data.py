@@ -276,7 +276,8 @@ class Completion:
     top_logprobs: list[list[float]] | None = None
 
 
-def _eos_ids(model, tokenizer) -> list[int]:
+def eos_ids(model, tokenizer) -> list[int]:
+    """Every id that ends a turn: the generation config's eos ids and the tokenizer's."""
     ids: list[int] = []
     gen = getattr(model, "generation_config", None)
     for value in (getattr(gen, "eos_token_id", None), tokenizer.eos_token_id):
@@ -295,7 +296,7 @@ class TransformersBackend:
         self.cfg, self.sampling = cfg, cfg.sampling()
         self.model = load_model(cfg.target, dtype=cfg.dtype, device=device if device is not None else cfg.device)
         self.device = next(self.model.parameters()).device
-        self.eos = _eos_ids(self.model, tokenizer)
+        self.eos = eos_ids(self.model, tokenizer)
         pad = tokenizer.pad_token_id
         self.pad = int(pad if pad is not None else (self.eos[0] if self.eos else 0))
 

@@ -79,6 +79,7 @@ def generate(cfg, n: int, out_dir: Path, device=None) -> Path:
 
     from specdec import SamplingConfig, target_generate
     from specdec.models import load_model, load_tokenizer
+    from train.data import eos_ids
 
     path = path_for(cfg, out_dir)
     rows = _read(path)
@@ -88,9 +89,7 @@ def generate(cfg, n: int, out_dir: Path, device=None) -> Path:
     prefix = user_turn_prefix(tokenizer)
     model = load_model(cfg.target, dtype=cfg.dtype, device=device if device is not None else cfg.device)
     device = next(model.parameters()).device
-    from train.data import _eos_ids
-
-    eos = _eos_ids(model, tokenizer)
+    eos = eos_ids(model, tokenizer)
     if not eos:
         raise ValueError("prompts=self:N needs the target's end-of-turn token (eos_token_id); none is set")
     sampling = SamplingConfig(temperature=cfg.self_prompt_temperature, top_p=cfg.self_prompt_top_p)
