@@ -130,3 +130,15 @@ def test_eval_on_cuda_reports_the_device_and_its_memory(tiny_checkpoints, tmp_pa
     print(f"eval {dtype}: equivalence {report['equivalence']}, speedup {report['speedup']:.3f}")
     if dtype == "float32":
         assert report["equivalence"]["passed"]
+
+
+def test_data_stage_with_self_written_prompts_on_cuda(tiny_checkpoints, tmp_path):
+    from train import data as data_stage
+    from train.data import DataConfig
+
+    cfg = DataConfig(target=tiny_checkpoints["target"], prompts=f"{tiny_checkpoints['prompts']},self:5",
+                     output_dir=str(tmp_path), batch_size=16, max_new_tokens=4, self_prompt_max_tokens=12,
+                     self_prompt_temperature=1.0, top_logprobs=3, device="cuda", dtype="float32",
+                     spec_bench_turns="first")
+    manifest = data_stage.run(cfg)
+    assert manifest["complete"] and manifest["counts"]["prompts"] == 4 + 5
