@@ -89,7 +89,7 @@ def test_trainer_reads_several_data_folders(tiny_checkpoints, tmp_path):
     for seed, (name, source) in enumerate((("one", "self:5"), ("two", "self:4"))):
         data_stage.run(_cfg(tiny_checkpoints, tmp_path / name, prompts=source, seed=seed))
     cfg = TrainConfig(target=tiny_checkpoints["target"], output_dir=str(tmp_path / "run"),
-                      train_data=f"{tmp_path / 'one'},{tmp_path / 'two'}", heldout_fraction=0.0)
+                      train_data=f"{tmp_path / 'one'}, {tmp_path / 'two'}", heldout_fraction=0.0)
     train, _ = load_data(cfg)
     assert len(train) == 9
     with pytest.raises(ValueError, match="not found"):

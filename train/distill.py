@@ -167,7 +167,7 @@ def _in_heldout(prompt_id: str, fraction: float) -> bool:
 def load_data(cfg: TrainConfig):
     """(train, heldout) datasets; held-out is its own folder or a hash split of prompt ids."""
     out = Path(cfg.output_dir)
-    train_paths = [Path(p) for p in cfg.train_data.split(",") if p.strip()] if cfg.train_data else [out / "data"]
+    train_paths = [Path(p.strip()) for p in cfg.train_data.split(",") if p.strip()] or [out / "data"]
     for path in train_paths:
         if not path.is_dir():
             raise ValueError(f"training data {path} not found; run `specdec data --config ...` first or set "
