@@ -186,8 +186,15 @@ def _median_step(model, ids: torch.Tensor, n_new: int, repeats: int) -> float:
     device = ids.device
     kwarg = cache_kwarg(model)
     cache = DynamicCache(config=model.config)
+
+    def forward(x, **kwargs):
+        if getattr(model, "is_feature_draft", False):  # it also reads a feature per token (values do not matter)
+            kwargs.pop("use_cache")
+            return model(x, x.new_zeros(*x.shape, model.config.hidden_size, dtype=model.dtype), **kwargs)
+        return model(input_ids=x, **kwargs)
+
     with torch.inference_mode():
-        model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kwarg: cache})
+        forward(ids, use_cache=True, logits_to_keep=1, **{kwarg: cache})
         length = cache.get_seq_length()
         x = ids[:, -1:].expand(-1, n_new).contiguous()
         pos = torch.arange(length, length + n_new, device=device)[None].expand(ids.shape[0], -1)
@@ -196,7 +203,7 @@ def _median_step(model, ids: torch.Tensor, n_new: int, repeats: int) -> float:
             _sync(device)
             t0 = time.perf_counter()
             # Draft steps keep one logit row, verification all of them, as the decoder does.
-            model(input_ids=x, position_ids=pos, use_cache=True, logits_to_keep=1 if n_new == 1 else 0, **{kwarg: cache})
+            forward(x, position_ids=pos, use_cache=True, logits_to_keep=1 if n_new == 1 else 0, **{kwarg: cache})
             _sync(device)
             if i:  # the first is a warm-up
                 times.append(time.perf_counter() - t0)
@@ -226,10 +233,12 @@ def choose_num_draft_tokens(target, draft, prompts: list[list[int]], candidates:
     the draft's argmax give an estimate, not the exact figure. c and v are timed as in the report.
     """
     from specdec.vocab import draft_to_target_map
+    from train import feature_train
     from train.simulate import simulated_tau
 
     id_map = draft_to_target_map(draft)
-    agreements = []
+    feature = getattr(draft, "is_feature_draft", False)
+    agreements, runs = [], []
     with torch.inference_mode():
         for i, prompt in enumerate(prompts):
             ids = torch.tensor([prompt], device=device)
@@ -241,11 +250,19 @@ def choose_num_draft_tokens(target, draft, prompts: list[list[int]], candidates:
             n_rounds = seq.shape[1] - len(prompt) - 1
             if n_rounds < 1:
                 continue
+            if feature:  # its later proposals read its own guessed features: unroll them (train/feature_train.py)
+                mask = torch.ones_like(seq)
+                scored = torch.zeros_like(seq, dtype=torch.bool)
+                scored[0, len(prompt): seq.shape[1] - 1] = True
+                outs = feature_train.unrolled(draft, seq, feature_train.target_features(target, seq, mask), mask,
+                                              max(candidates))
+                runs += feature_train.run_lengths(draft.get_output_embeddings(), outs, seq, scored, id_map)
+                continue
             logits = draft(input_ids=seq[:, :-1], logits_to_keep=n_rounds).logits[0]
             guess = logits.argmax(-1)
             guess = guess if id_map is None else id_map.to(device)[guess]
             agreements.append((guess == seq[0, len(prompt) + 1:]).tolist())
-    tau = simulated_tau(agreements, candidates)
+    tau = feature_train.tau_from_runs(runs, candidates) if feature else simulated_tau(agreements, candidates)
     costs = measure_costs(target, draft, torch.tensor([prompts[0]], device=device), candidates, cfg.cost_repeats)
     predicted = {k: tau[k] / (k * costs["c"] + costs["v"][str(k)]) for k in candidates}
     chosen = max(candidates, key=lambda k: (predicted[k], -k))

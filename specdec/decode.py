@@ -27,6 +27,7 @@ import torch
 from transformers import DynamicCache
 
 from specdec.fast_head import fast_heads
+from specdec.feature_draft import FeatureRecorder
 from specdec.sampling import SamplingConfig, next_token, probabilities, sample_from
 from specdec.verify import greedy_verify, rejection_verify
 from specdec.vocab import draft_to_target_map
@@ -350,7 +351,7 @@ class _Draft:
     """The draft side of a round: its cache, its vocabulary map, and proposal of k tokens."""
 
     def __init__(self, draft, target_vocab: int, batch: _Batch, sampling: SamplingConfig):
-        self.model, self.sampling, self.kwarg = draft, sampling, cache_kwarg(draft)
+        self.model, self.sampling = draft, sampling
         self.vocab = target_vocab
         rows = draft.get_output_embeddings().out_features
         id_map = draft_to_target_map(draft)
@@ -358,7 +359,28 @@ class _Draft:
             id_map = torch.arange(rows)  # a smaller padded vocabulary: the first `rows` ids, q = 0 beyond
         self.rows = rows if id_map is not None else min(rows, target_vocab)
         self.id_map = None if id_map is None else id_map.to(batch.seq.device)
-        self.cache, _ = _prefill(draft, batch, self.kwarg)
+        self.start_cache(batch)
+
+    def start_cache(self, batch: _Batch) -> None:
+        self.kwarg = cache_kwarg(self.model)
+        self.cache, _ = _prefill(self.model, batch, self.kwarg)
+
+    def rollback(self, batch: _Batch) -> None:
+        """After verification: keep what the draft has read of the accepted sequence (it may lag one token)."""
+        _rollback(self.cache, min(self.cache.get_seq_length(), batch.length - 1))
+
+    def _pick(self, logits: torch.Tensor, batch: _Batch, generator, qs: list) -> torch.Tensor:
+        """The draft's token (target ids) from its last logits [B, n, V_draft]; appends q when sampling."""
+        if logits.dim() != 3 or logits.shape[0] != batch.seq.shape[0] or logits.shape[-1] < self.rows:
+            raise RuntimeError(f"draft returned logits of shape {tuple(logits.shape)}")
+        logits = logits[:, -1, : self.rows]  # [B, V_draft]
+        if self.sampling.greedy:
+            local = logits.argmax(dim=-1)
+        else:
+            q_local = probabilities(logits, self.sampling)
+            local = sample_from(q_local, generator)
+            qs.append(self._to_target_space(q_local))
+        return local if self.id_map is None else self.id_map[local]
 
     def _to_target_space(self, q_local: torch.Tensor) -> torch.Tensor:
         """q over the draft's head -> q over the target's vocabulary, zero outside the draft's ids.  [B, V]"""
@@ -374,20 +396,49 @@ class _Draft:
         for _ in range(k):
             logits = _forward(self.model, self.cache, batch, stop, 1, self.kwarg)
             stats.draft_forwards += 1
-            if logits.dim() != 3 or logits.shape[0] != batch.seq.shape[0] or logits.shape[-1] < self.rows:
-                raise RuntimeError(f"draft returned logits of shape {tuple(logits.shape)}")
-            logits = logits[:, -1, : self.rows]  # [B, V_draft]
-            if self.sampling.greedy:
-                local = logits.argmax(dim=-1)
-            else:
-                q_local = probabilities(logits, self.sampling)
-                local = sample_from(q_local, generator)
-                qs.append(self._to_target_space(q_local))
-            token = local if self.id_map is None else self.id_map[local]
+            token = self._pick(logits, batch, generator, qs)
             tokens.append(token)
             # Proposals live in the buffer past the sequence end; verification overwrites what it rejects.
             batch.seq[:, stop] = token
             stop += 1
+        return torch.stack(tokens, dim=1), (torch.stack(qs, dim=1) if qs else None)
+
+
+class _FeatureDraft(_Draft):
+    """The drafter of a feature-conditioned draft (specdec/feature_draft.py, EAGLE's scheme).
+
+    Draft position t reads the target's feature f_t and the token x_{t+1}. `features` [B, capacity, H] holds
+    the target's f for every position it has processed (filled after each target forward). A round starting
+    at length L first feeds the positions the draft has not read with true features, up to L - 2, then feeds
+    back its own predicted feature for each further proposal. Those guessed positions are dropped afterwards
+    (`rollback`): the next round re-reads them with the target's true features.
+    """
+
+    def __init__(self, draft, target_vocab: int, batch: _Batch, sampling: SamplingConfig, features: torch.Tensor):
+        self.features = features
+        self.round_length = 1
+        super().__init__(draft, target_vocab, batch, sampling)
+
+    def start_cache(self, batch: _Batch) -> None:
+        self.cache = DynamicCache(config=self.model.config)  # filled by the first round, once f is known
+
+    def rollback(self, batch: _Batch) -> None:
+        _rollback(self.cache, self.round_length - 1)  # positions from L - 1 on were read with guessed features
+
+    def propose(self, batch: _Batch, k: int, generator, stats: DecodeStats):
+        length = self.round_length = batch.length
+        start = self.cache.get_seq_length()
+        ids, feats = batch.seq[:, start + 1 : length], self.features[:, start : length - 1]
+        inputs = batch.model_inputs(start, length - 1)
+        tokens, qs = [], []
+        for j in range(k):
+            hidden, logits = self.model(ids, feats, cache=self.cache, logits_to_keep=1, **inputs)
+            stats.draft_forwards += 1
+            token = self._pick(logits, batch, generator, qs)
+            tokens.append(token)
+            batch.seq[:, length + j] = token
+            ids, feats = token[:, None], hidden[:, -1:]
+            inputs = batch.model_inputs(length - 1 + j, length + j)
         return torch.stack(tokens, dim=1), (torch.stack(qs, dim=1) if qs else None)
 
 
@@ -412,14 +463,30 @@ def speculative_generate(
     _check_inputs(target, input_ids, attention_mask, max_new_tokens, k + 1, draft, k)
     batch = _Batch(input_ids, attention_mask, max_new_tokens, k + 1, eos_token_id, _pad_id(pad_token_id, eos_token_id))
     stats = DecodeStats(num_draft_tokens=k, position_tried=[0] * k, position_accepted=[0] * k)
-    clock, kwarg, rounds = _Clock(timing, input_ids.device), cache_kwarg(target), []
+    # A feature-conditioned draft reads the target's final hidden states: record them from its forwards.
+    recorder = FeatureRecorder(target) if getattr(draft, "is_feature_draft", False) else None
+    try:
+        return _speculate(target, draft, batch, k, sampling, generator, stats, _Clock(timing, input_ids.device),
+                          trace, recorder)
+    finally:
+        if recorder is not None:
+            recorder.close()
+
+
+def _speculate(target, draft, batch, k, sampling, generator, stats, clock, trace, recorder) -> GenerateOutput:
+    kwarg, rounds = cache_kwarg(target), []
     t_cache, logits = _prefill(target, batch, kwarg)
     stats.target_forwards += 1
+    features = None
+    if recorder is not None:  # f for every position of the buffer, written as the target computes it
+        features = recorder.latest.new_zeros(*batch.seq.shape, recorder.latest.shape[-1])
+        features[:, : batch.prompt_length] = recorder.latest
     clock.mark(batch.append(next_token(logits, sampling, generator)[:, None]))
     first_tokens = batch.live_appended.clone()  # tau counts tokens from rounds only
     vocab = target.get_output_embeddings().out_features
     try:
-        drafter = _Draft(draft, vocab, batch, sampling)
+        drafter = (_Draft(draft, vocab, batch, sampling) if features is None
+                   else _FeatureDraft(draft, vocab, batch, sampling, features))
     except Exception as err:  # noqa: BLE001 - any draft failure means target-only, never a failed request
         return _fall_back(err, target, t_cache, batch, sampling, generator, stats, clock, kwarg, rounds)
 
@@ -438,6 +505,8 @@ def speculative_generate(
         # 2. the target scores [last token, d_1..d_k] in one forward.
         p_logits = _forward(target, t_cache, batch, length + k_round, 0, kwarg)  # [B, k+1, V]
         stats.target_forwards += 1
+        if features is not None:
+            features[:, length - 1 : length + k_round] = recorder.latest
         # 3. verification.
         if sampling.greedy:
             verdict = greedy_verify(drafted, p_logits)
@@ -455,7 +524,7 @@ def speculative_generate(
         clock.mark(appended)
         # 5. roll both caches back to the kept prefix; the draft reads what it has not seen next round.
         _rollback(t_cache, batch.length - 1)
-        _rollback(drafter.cache, min(drafter.cache.get_seq_length(), batch.length - 1))
+        drafter.rollback(batch)
         _count_round(stats, n_active, k_round)
         if trace:
             rounds.append(RoundTrace(drafted, verdict.num_accepted, verdict.next_token, appended))

@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 
 from specdec import vocab
+from specdec.feature_draft import CONFIG_FLAG as FEATURE_FLAG
+from specdec.feature_draft import FeatureDraft, is_feature_draft_dir
 
 log = logging.getLogger(__name__)
 
@@ -117,14 +119,16 @@ def _declared_reduced_vocab(path: str) -> int | None:
 
 
 def _local_reduced_draft(name: str) -> str | None:
-    """A Hub-hosted reduced-vocabulary draft, downloaded so its id map can be read; None for anything else."""
+    """A Hub-hosted reduced-vocabulary or feature draft (specdec formats), downloaded whole so that its id map
+    and weights can be read; None for anything else."""
     if Path(name).exists():
         return None
     try:
         from huggingface_hub import hf_hub_download, snapshot_download
 
         config = json.loads(Path(hf_hub_download(name, "config.json")).read_text())
-        return snapshot_download(name) if vocab.CONFIG_KEY in config else None
+        specdec_only = vocab.CONFIG_KEY in config or config.get(FEATURE_FLAG)
+        return snapshot_download(name) if specdec_only else None
     except Exception:  # noqa: BLE001 - offline or not a Hub repo: from_pretrained reports the real error
         return None
 
@@ -153,7 +157,9 @@ def load_model(name_or_path: str, dtype: str | torch.dtype | None = "auto", devi
     path = resolve_path(name_or_path)
     path = _local_reduced_draft(path) or path
     try:
-        if _declared_reduced_vocab(path) is not None:
+        if is_feature_draft_dir(path):
+            model = FeatureDraft.from_pretrained(path, torch_dtype)
+        elif _declared_reduced_vocab(path) is not None:
             model = _load_reduced(path, torch_dtype)
         else:
             from transformers import AutoModelForCausalLM

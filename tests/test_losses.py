@@ -192,3 +192,16 @@ def test_tau_from_alpha_and_per_position():
     pos = per_position_agreement([[True, False, True, True, True]], k=2)
     # rounds: [T F] -> pos1 1/1, pos2 0/1; then start at 2: [T T] -> pos1 2/2, pos2 1/2... then bonus.
     assert pos == [1.0, 0.5]
+
+
+def test_rows_without_teacher_mass_are_dropped_not_nan():
+    """A reduced head that lacks every stored top-n id of a position has no renormalised teacher there."""
+    teacher = losses.dense_teacher_logits(torch.tensor([[0, 1], [5, 6]]), torch.log(torch.tensor([[0.6, 0.3], [0.5, 0.4]])),
+                                          vocab=4, target_to_draft=torch.tensor([0, 1, 2, 3, -1, -1, -1]))
+    student = torch.randn(2, 4, requires_grad=True)
+    assert torch.isnan(losses.forward_kl(student, teacher))
+    kept_student, kept_teacher = losses.with_teacher_mass(student, teacher)
+    assert kept_student.shape == (1, 4)
+    loss = losses.forward_kl(kept_student, kept_teacher)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(student.grad).all() and student.grad[1].abs().sum() == 0

@@ -425,3 +425,24 @@ def test_push_failure_is_a_clear_error_and_keeps_out(full_dir, tmp_path, monkeyp
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ValueError, match="HF_HUB_OFFLINE"):
         pub.push_to_hub(out, "me/tiny-draft")
+
+
+def test_feature_draft_export_is_specdec_only_and_exact(tmp_path, tok, keep_ids):
+    """A feature draft publishes in specdec's format with a card that says so; it loads back and decodes
+    exactly; --full-vocab-head is refused with the reason."""
+    from specdec import speculative_generate, target_generate
+    from specdec.feature_draft import FeatureDraft
+
+    target = tiny_llama(seed=0)
+    draft = _save_draft(tmp_path / "fd", FeatureDraft.from_target(target, [-1], keep_ids=keep_ids), tok)
+    with pytest.raises(ValueError, match="feature draft"):
+        pub.publish(_cfg(draft, tmp_path / "x", full_vocab_head=True))
+    out = pub.publish(_cfg(draft, tmp_path / "pub"))
+    exported = load_model(str(out), dtype=torch.float64, device="cpu")
+    assert isinstance(exported, FeatureDraft) and torch.equal(vocab.draft_to_target_map(exported), keep_ids)
+    card = (out / "README.md").read_text()
+    assert "feature-conditioned draft" in card and "Only specdec runs it" in card
+    assert "assistant_model=draft" not in card and "need the expanded export" not in card
+    ids = torch.tensor([[5, 9, 33, 12]])
+    ref = target_generate(target, ids, max_new_tokens=12)
+    assert torch.equal(speculative_generate(target, exported, ids, num_draft_tokens=3, max_new_tokens=12).sequences, ref.sequences)

@@ -22,7 +22,7 @@ LAUNCH_CONFIGS = sorted((ROOT / "recipes" / "accelerate").glob("*.yaml"))
 
 def test_the_expected_recipes_exist():
     names = {p.name for p in RECIPES}
-    assert {"smollm2-135m.yaml", "smollm2-135m-quick.yaml", "llama3.1-8b__llama3.2-1b.yaml",
+    assert {"smollm2-135m.yaml", "smollm2-135m-quick.yaml", "smollm2-135m-feature.yaml", "llama3.1-8b__llama3.2-1b.yaml",
             "qwen2.5-7b__qwen2.5-0.5b.yaml"} <= names
     assert {p.stem for p in LAUNCH_CONFIGS} >= {"single_gpu", "multi_gpu", "fsdp", "deepspeed_zero2", "cpu"}
 
@@ -40,7 +40,7 @@ def test_recipe_parses_and_train_section_loads(path):
     cfg = load_config(TrainConfig, path, section="train")
     assert cfg.target == raw["target"] and cfg.output_dir == raw["output_dir"]
     if "draft_layers" in raw["train"]:
-        assert cfg.draft == "derived"
+        assert cfg.draft in ("derived", "feature")
 
 
 def test_embedded_recipes_use_the_shared_prompt_keywords():
@@ -76,7 +76,7 @@ def test_recipe_smoke_runs_two_steps(path, tiny_world, tmp_path):
             "heldout_data": str(tiny_world / "heldout"), "output_dir": str(tmp_path / "out"), "device": "cpu",
             "dtype": "float32", "max_steps": 2, "per_device_batch_size": 2, "eval_samples": 2, "eval_every": 1,
             "save_every": 1, "warmup_steps": 1}
-    if cfg.draft == "derived":
+    if cfg.draft in ("derived", "feature"):
         tiny["draft_layers"] = [0, -1]
     elif cfg.draft != "scratch":
         tiny["draft"] = str(tiny_world / "small")

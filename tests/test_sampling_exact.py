@@ -117,3 +117,17 @@ def test_batch_three_matches_the_target(pair, sampling):
     target, draft = pair
     counts = sample_counts(target, draft, PROMPTS, sampling, k=2, calls=7_000, copies=1, seed=13)
     assert combined_p(target, PROMPTS, sampling, counts) > ALPHA
+
+
+def test_feature_draft_matches_the_target(pair):
+    """A feature-conditioned draft (its q read from guessed features after the first proposal) on ragged
+    left-padded rows: the joint of the first three tokens is still the target's."""
+    from specdec.feature_draft import FeatureDraft
+
+    target, _ = pair
+    torch.manual_seed(5)
+    draft = FeatureDraft.from_target(target, [0], keep_ids=torch.tensor([0, 2, 3, 5, 8, 9, 12, 15]))
+    with torch.no_grad():
+        draft.fc.weight[:, 16:].normal_(std=0.05)  # a feature path that moves q
+    counts = sample_counts(target, draft, PROMPTS, SETTINGS[0], k=3, calls=10, copies=700, seed=8)
+    assert combined_p(target, PROMPTS, SETTINGS[0], counts) > ALPHA

@@ -11,6 +11,8 @@ signal (online: the target's logits; offline: stored top-n log-probs; on_policy:
 draft samples a short continuation and the target scores it); backward the divergence over completion
 tokens; clip, step, schedule. Every `eval_every` steps the held-out split gives expected acceptance alpha,
 greedy agreement and simulated tau(k) (train/simulate.py); the best tau at `best_k` is kept in `best/`.
+A feature draft (draft=feature) also reads the target's hidden states, computed once per sample, and trains and
+is scored on unrolled proposals (train/feature_train.py).
 Checkpoints (accelerator.save_state) go to output_dir/checkpoints/step-N; the final draft is a plain
 transformers checkpoint in output_dir/final/. `.item()` happens only at log and eval steps.
 """
@@ -34,7 +36,8 @@ import torch
 from specdec.config import config_from_cli, to_dict
 from specdec.models import EMBEDDED_TARGET
 from train import losses
-from train.draft import DEFAULT_LORA_MODULES, DERIVED, SCRATCH
+from train import feature_train
+from train.draft import DEFAULT_LORA_MODULES, DERIVED, FEATURE, SCRATCH
 from train.simulate import simulated_tau
 
 log = logging.getLogger(__name__)
@@ -48,7 +51,7 @@ class TrainConfig:
 
     # shared keys
     target: str = EMBEDDED_TARGET
-    draft: str = DERIVED  # derived | scratch | Hub id / local path of a pretrained small model
+    draft: str = DERIVED  # derived | feature | scratch | Hub id / local path of a pretrained small model
     seed: int = 0
     output_dir: str = "runs/smollm2-135m"
     device: str = "auto"
@@ -70,6 +73,9 @@ class TrainConfig:
     # Keep the head (the target's rows) fixed: the draft learns to land in the target's final hidden space,
     # so ids rare in the training data keep the target's own output directions.
     freeze_head: bool = False
+    # draft=feature (EAGLE-style, specdec/feature_draft.py): draft_layers picks the target layers it starts from
+    feature_steps: int = 2  # proposals unrolled per position in training (train/feature_train.py); 1 = true f only
+    feature_regression_weight: float = 0.1  # smooth-L1 between predicted and true next features
     # teacher signal and loss
     teacher: str = "online"  # online | offline | on_policy
     loss: str = "fkl"  # fkl | rkl | jsd | tvd | ce
@@ -130,12 +136,21 @@ class TrainConfig:
             raise ValueError("warmup_steps, eval_every, save_every and draft_vocab_size must be >= 0")
         if not self.eval_k or min(self.eval_k) < 1 or self.best_k not in self.eval_k:
             raise ValueError(f"eval_k must list k >= 1 and include best_k={self.best_k}, got {self.eval_k}")
+        if self.draft == FEATURE:
+            if self.teacher == "on_policy":
+                raise ValueError("draft=feature trains with teacher=offline or online (its unrolled steps already "
+                                 "show it its own proposals); on_policy is for token-only drafts")
+            if self.lora:
+                raise ValueError("draft=feature is a new small module: train it fully (lora=false)")
+            if self.feature_steps < 1 or self.feature_regression_weight < 0:
+                raise ValueError("feature_steps must be >= 1 and feature_regression_weight >= 0")
         if self.lora and self.draft in (DERIVED, SCRATCH):
             log.warning("lora=true on a %s draft: usually a full fine-tune is better for new layer stacks", self.draft)
 
     @property
     def needs_target(self) -> bool:
-        return self.teacher in ("online", "on_policy")
+        """The target runs in the loop: for its logits (online teacher) or its features (a feature draft)."""
+        return self.teacher in ("online", "on_policy") or self.draft == FEATURE
 
 
 # ---- data ------------------------------------------------------------------------------------------------
@@ -347,7 +362,8 @@ def compute_loss(cfg: TrainConfig, student_logits, teacher, batch: dict, inv_map
     student = student[:, :width]
     total = None
     if cfg.loss != "ce":
-        total = losses.distill_loss(cfg.loss, student, teacher[:, :width], None, cfg.beta, cfg.temperature)
+        total = losses.distill_loss(cfg.loss, *losses.with_teacher_mass(student, teacher[:, :width]), None, cfg.beta,
+                                    cfg.temperature)
     if cfg.loss == "ce" or cfg.ce_weight > 0:
         labels = batch["labels"][mask]
         labels = labels if inv_map is None else inv_map[labels]
@@ -519,6 +535,7 @@ def run(cfg: TrainConfig) -> Path:
     from transformers import get_cosine_schedule_with_warmup
 
     from specdec.compat import check_compatible
+    from specdec.feature_draft import FeatureDraft
     from specdec.models import load_model, load_tokenizer
     from train import draft as draft_lib
 
@@ -542,19 +559,27 @@ def run(cfg: TrainConfig) -> Path:
     if cfg.needs_target or cfg.draft in (DERIVED, SCRATCH):
         target = load_model(cfg.target, dtype=cfg.dtype, device=device if cfg.needs_target else "cpu")
         target.requires_grad_(False)
-    model = draft_lib.build_draft(cfg.draft, target, cfg.draft_layers, cfg.draft_config, cfg.seed, device)
-    draft_tok = tokenizer if cfg.draft in (DERIVED, SCRATCH) else load_tokenizer(cfg.draft)
+    feature = cfg.draft == FEATURE
+
+    def reduced_vocab(vocab_size: int) -> torch.Tensor:
+        counts = draft_lib.completion_token_counts(train_ds.select_columns(["input_ids", "prompt_length"]), vocab_size)
+        keep = draft_lib.select_vocab(counts, cfg.draft_vocab_size,
+                                      [tokenizer.eos_token_id, tokenizer.bos_token_id, pad_id])
+        log.info("reduced draft head: %d ids cover %.1f%% of completion tokens", keep.numel(),
+                 100 * float(counts[keep].sum()) / max(float(counts.sum()), 1.0))
+        return keep
+
+    if feature:
+        keep = reduced_vocab(target.get_input_embeddings().num_embeddings) if cfg.draft_vocab_size else None
+        model = FeatureDraft.from_target(target, cfg.draft_layers, keep).float().to(device)
+    else:
+        model = draft_lib.build_draft(cfg.draft, target, cfg.draft_layers, cfg.draft_config, cfg.seed, device)
+    draft_tok = tokenizer if cfg.draft in (DERIVED, SCRATCH, FEATURE) else load_tokenizer(cfg.draft)
     check_compatible(tokenizer, draft_tok, target, model)
     if not cfg.needs_target:
         target = None  # derived from it; the offline teacher needs nothing more
-    if cfg.draft_vocab_size:
-        counts = draft_lib.completion_token_counts(train_ds.select_columns(["input_ids", "prompt_length"]),
-                                                   model.get_input_embeddings().num_embeddings)
-        keep = draft_lib.select_vocab(counts, cfg.draft_vocab_size,
-                                      [tokenizer.eos_token_id, tokenizer.bos_token_id, pad_id])
-        draft_lib.reduce_vocab(model, keep.to(device))
-        log.info("reduced draft head: %d ids cover %.1f%% of completion tokens", keep.numel(),
-                 100 * float(counts[keep].sum()) / max(float(counts.sum()), 1.0))
+    if cfg.draft_vocab_size and not feature:
+        draft_lib.reduce_vocab(model, reduced_vocab(model.get_input_embeddings().num_embeddings).to(device))
     id_map = draft_lib.vocab_lib.draft_to_target_map(model)
     target_vocab = target.get_output_embeddings().out_features if target is not None else len(tokenizer)
     inv_map = losses.target_to_draft_map(id_map, max(target_vocab, len(tokenizer)))
@@ -595,11 +620,27 @@ def run(cfg: TrainConfig) -> Path:
         if cfg.record_consumed else None
     tracker = _wandb_run(cfg) if cfg.report_to == "wandb" and main_proc else None
     history_file = out / "eval.jsonl"
+    if feature:
+        head = accelerator.unwrap_model(model).get_output_embeddings()
+        target_head = target.get_output_embeddings() if cfg.teacher == "online" else None
+        features_of = feature_train.FeatureCache(target, accelerator.autocast)
+
+    def eval_chunks():
+        for s in range(0, len(heldout), cfg.eval_batch_size):
+            chunk = heldout[s:s + cfg.eval_batch_size]
+            rows = {k: [r.get(k) for r in chunk] for k in chunk[0]}
+            batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in collate(rows, pad_id, cfg.max_length).items()}
+            yield [sample_id(rows, i) for i in range(len(chunk))], batch
 
     def do_eval(step: int) -> None:
         if not heldout:
             return
-        metrics = evaluate(model, target, heldout, cfg, pad_id, id_map, device)
+        if feature:
+            model.eval()
+            metrics = feature_train.evaluate_feature_draft(model, head, features_of, eval_chunks(), cfg.eval_k, id_map)
+            model.train()
+        else:
+            metrics = evaluate(model, target, heldout, cfg, pad_id, id_map, device)
         tau = metrics["tau"][cfg.best_k]
         if main_proc:
             log.info("step %d held-out: alpha %.3f  greedy agreement %.3f  tau(k=%d) %.3f  tau %s", step,
@@ -630,7 +671,8 @@ def run(cfg: TrainConfig) -> Path:
             m = (step - 1) * cfg.grad_accum_steps + micro
             indices = schedule(m)[rank * cfg.per_device_batch_size:(rank + 1) * cfg.per_device_batch_size]
             rows = train_ds[indices]
-            step_ids += [sample_id(rows, i) for i in range(len(indices))]
+            micro_ids = [sample_id(rows, i) for i in range(len(indices))]
+            step_ids += micro_ids
             batch = {k: v.to(device) if torch.is_tensor(v) else v
                      for k, v in collate(rows, pad_id, cfg.max_length).items()}
             # Same draw on every rank and on resume: seeded by (seed, micro-batch index).
@@ -639,9 +681,14 @@ def run(cfg: TrainConfig) -> Path:
                 batch = on_policy_batch(model, batch, cfg.on_policy_max_new_tokens, cfg.on_policy_temperature,
                                         id_map, pad_id, tokenizer.eos_token_id, gen)
             with accelerator.accumulate(model):
-                student = _forward(model, batch)
-                teacher = teacher_logits(target, batch, student_vocab, id_map, inv_map) if cfg.loss != "ce" else None
-                loss = compute_loss(cfg, student, teacher, batch, inv_map)
+                if feature:
+                    student = teacher = None
+                    loss = feature_train.feature_loss(cfg, model, head, batch, features_of(micro_ids, batch),
+                                                      target_head, id_map, inv_map)
+                else:
+                    student = _forward(model, batch)
+                    teacher = teacher_logits(target, batch, student_vocab, id_map, inv_map) if cfg.loss != "ce" else None
+                    loss = compute_loss(cfg, student, teacher, batch, inv_map)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and cfg.max_grad_norm > 0:
                     accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)

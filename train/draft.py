@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 DERIVED = "derived"
 SCRATCH = "scratch"
+FEATURE = "feature"  # reads the target's hidden states: specdec/feature_draft.py
 _LAYER_KEY = re.compile(r"^(.*\.layers\.)(\d+)\.(.*)$")
 DEFAULT_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -160,6 +160,15 @@ def dense_teacher_logits(top_ids: torch.Tensor, top_logprobs: torch.Tensor, voca
 # ---- acceptance metrics (never renormalised) -------------------------------------------------------------
 
 
+def with_teacher_mass(student: torch.Tensor, teacher: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop the rows whose teacher has no id in the draft's vocabulary (a reduced head missing all of the
+    stored top-n): their renormalised teacher is undefined and would make the loss nan.  [N, V] x2"""
+    keep = torch.isfinite(teacher).any(dim=-1)
+    if bool(keep.all()):
+        return student, teacher
+    return student[keep], teacher[keep]
+
+
 def _draft_probs_in_target_space(draft_logits: torch.Tensor, draft_to_target: torch.Tensor | None,
                                  target_vocab: int) -> torch.Tensor:
     """q over target ids (0 outside a reduced draft's kept ids).  [N, V_d] -> [N, V_target]"""

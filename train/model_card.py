@@ -40,6 +40,7 @@ class CardInfo:
     data: str | None = None
     license: str = "apache-2.0"
     model_on_hub: bool = False  # model_ref is a Hub repo id (the export was pushed)
+    feature_draft: bool = False  # reads the target's hidden states (specdec/feature_draft.py): specdec only
 
     def __post_init__(self) -> None:
         if self.head not in ("full", "reduced", "expanded"):
@@ -137,6 +138,10 @@ def _head_section(info: CardInfo) -> list[str]:
     if info.head == "full":
         return []
     n, v = info.draft_vocab_size, info.vocab_size
+    if info.feature_draft:  # specdec-only anyway: the id map needs no workaround
+        return ["## Reduced vocabulary", "",
+                f"The LM head scores {n:,} of the {v:,} target ids; `draft_vocab.safetensors` maps its logits to "
+                "target ids, and q = 0 outside them keeps decoding exact.", ""]
     if info.head == "reduced":
         return [
             "## Reduced vocabulary: specdec only",
@@ -193,7 +198,7 @@ def _snippets(info: CardInfo, k: int) -> list[str]:
     draft, target = info.model_ref, info.target_ref
     q = json.dumps  # Python string literals in double quotes, like the rest of the snippets
     # specdec reads a reduced draft's id map from a local folder: download a Hub copy first.
-    local = info.head == "reduced" and info.model_on_hub
+    local = (info.head == "reduced" or info.feature_draft) and info.model_on_hub
     cli_draft = f"drafts/{draft.split('/')[-1]}" if local else draft
     py_draft = f"snapshot_download({q(draft)})" if local else q(draft)
     specdec_lines = [
@@ -220,6 +225,12 @@ def _snippets(info: CardInfo, k: int) -> list[str]:
         "```",
         "",
     ]
+    if info.feature_draft:
+        return ["## Usage", "",
+                "This is a feature-conditioned draft (EAGLE-style): besides the tokens it reads the target's final "
+                "hidden states, which specdec's decoder passes to it. Only specdec runs it; transformers' "
+                "`assistant_model`, vLLM and SGLang load EAGLE drafts in their own formats, not this one.",
+                ""] + specdec_lines
     if info.head == "reduced":
         return ["## Usage", "", "Only specdec can run this export (see the warning above).", ""] + specdec_lines
     vllm_config = json.dumps({"model": draft, "method": "draft_model", "num_speculative_tokens": k})

@@ -318,7 +318,14 @@ def publish(cfg: PublishConfig) -> Path:
     keep = vocab.draft_to_target_map(model)
     num_kept = None if keep is None else int(keep.numel())
     head, expansion = "full" if keep is None else "reduced", None
-    if keep is not None and cfg.full_vocab_head:
+    feature = getattr(model, "is_feature_draft", False)
+    if feature:
+        if cfg.full_vocab_head:
+            raise ValueError("--full-vocab-head does not apply to a feature draft (draft=feature): it reads the "
+                             "target's hidden states, which only specdec's decoder passes it; publish it without")
+        log.warning("a feature draft reads the target's hidden states: only specdec runs this export (transformers' "
+                    "assistant_model, vLLM and SGLang expect their own formats)")
+    elif keep is not None and cfg.full_vocab_head:
         reduced_weight = model.get_output_embeddings().weight.detach().clone()
         keep = expand_head(model)
         expansion = check_expansion(model, reduced_weight, keep, _sample_ids(tokenizer, model.config.vocab_size))
@@ -332,7 +339,7 @@ def publish(cfg: PublishConfig) -> Path:
         head = "expanded"
     elif cfg.full_vocab_head:
         log.info("the draft already has a full-vocabulary head; full_vocab_head changes nothing")
-    elif head == "reduced":
+    elif head == "reduced" and not feature:
         log.warning("exporting the reduced head (%d ids) with its id map: only specdec loads it; pass "
                     "--full-vocab-head for transformers, vLLM and SGLang", num_kept)
     _fill_generation_config(model, tokenizer)
@@ -357,12 +364,13 @@ def publish(cfg: PublishConfig) -> Path:
         data=cfg.data or _recipe_data(recipe),
         license=cfg.license.strip(),
         model_on_hub=cfg.push_to_hub is not None,
+        feature_draft=feature,
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        if head == "reduced":
-            models.save_model(model, tokenizer, tmp)  # weights + draft_vocab.safetensors id map
+        if head == "reduced" or feature:
+            models.save_model(model, tokenizer, tmp)  # weights (+ draft_vocab.safetensors id map)
         else:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)

@@ -1,0 +1,190 @@
+"""A feature-conditioned draft: it reads the target's last hidden state as well as the tokens.
+
+A plain draft must rebuild the context from tokens alone with a few layers. This one is given, at each
+position t, the target's own final hidden state f_t (post-norm, the vector its LM head reads) together with
+the next token x_{t+1}, and predicts f_{t+1}, from which its head proposes x_{t+2}. This is the design of
+EAGLE (Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty",
+arXiv:2401.15077): one decoder layer over fc([embed(x_{t+1}); f_t]).
+
+While drafting beyond the first token the true f is not known yet, so the draft feeds back its own
+prediction; after each verification the target's true features replace them (`_FeatureDrafter` in
+specdec/decode.py). Verification is unchanged, so decoding stays exact whatever the draft proposes.
+
+The module is built from the target's config with `num_hidden_layers` = the draft's depth and is saved as
+`config.json` (that config plus `specdec_feature_draft: true`) + `model.safetensors` (+ the reduced
+vocabulary's id map, specdec/vocab.py). It is specdec's own format: transformers' `assistant_model`, vLLM
+and SGLang do not read it (their EAGLE loaders expect their own weight names).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specdec import vocab
+
+CONFIG_FLAG = "specdec_feature_draft"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def is_feature_draft_dir(path: str | Path) -> bool:
+    config = Path(path) / "config.json"
+    return config.is_file() and bool(json.loads(config.read_text()).get(CONFIG_FLAG))
+
+
+def final_norm(target: nn.Module) -> nn.Module:
+    """The target's last norm before its head (the module whose output is the feature f)."""
+    decoder = target.get_decoder() if hasattr(target, "get_decoder") else getattr(target, "model", None)
+    norm = getattr(decoder, "norm", None)
+    if norm is None:
+        raise ValueError(f"{type(target).__name__} has no `model.norm`; feature drafts support Llama-style decoders")
+    return norm
+
+
+class FeatureDraft(nn.Module):
+    """fc([embed(x_{t+1}); f_t]) -> n decoder layers of the target's architecture -> norm -> f^_{t+1} -> head."""
+
+    is_feature_draft = True
+
+    def __init__(self, config):
+        super().__init__()
+        from transformers import AutoModel
+
+        self.config = config
+        hidden = config.hidden_size
+        self.model = AutoModel.from_config(config)  # embeddings, decoder layers, final norm, rotary
+        # The target's features are post-norm vectors far larger than token embeddings (SmolLM2: norm ~45 vs
+        # ~3); normalised to the embeddings' scale first, as EAGLE-3 normalises both inputs, so that the fc
+        # weights of the two halves learn at comparable rates.
+        self.feature_norm = copy.deepcopy(self.model.norm)
+        self.fc = nn.Linear(2 * hidden, hidden, bias=True)
+        rows = getattr(config, vocab.CONFIG_KEY, None) or config.vocab_size
+        self.lm_head = nn.Linear(hidden, rows, bias=False)
+        # Keyword of the cache in the body's forward: `cache` in transformers >= 5.2x, `past_key_values` before.
+        from specdec.decode import cache_kwarg
+
+        self.cache_kwarg = cache_kwarg(self.model)
+
+    # The parts of the causal-LM interface the decoder, trainer and loaders use.
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def predict_features(self, input_ids, features, position_ids=None, attention_mask=None, cache=None):
+        """The predicted features f^_{t+1} [B, n, H] for tokens x_{t+1} [B, n] and features f_t [B, n, H]."""
+        embeds = self.get_input_embeddings()(input_ids)
+        inputs = self.fc(torch.cat([embeds, self.feature_norm(features.to(embeds.dtype))], dim=-1))
+        out = self.model(inputs_embeds=inputs, position_ids=position_ids, attention_mask=attention_mask,
+                         use_cache=cache is not None, **{self.cache_kwarg: cache})
+        return out.last_hidden_state
+
+    def forward(self, input_ids, features, position_ids=None, attention_mask=None, cache=None, logits_to_keep=0,
+                head=True):
+        """(predicted features [B, n, H], logits [B, n or logits_to_keep, rows] or None when head=False) for
+        tokens x_{t+1} and features f_t."""
+        hidden = self.predict_features(input_ids, features, position_ids, attention_mask, cache)
+        if not head:
+            return hidden, None
+        return hidden, self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
+
+    @classmethod
+    def from_target(cls, target: nn.Module, init_layers: list[int], keep_ids: torch.Tensor | None = None) -> "FeatureDraft":
+        """A draft of len(init_layers) layers copied from the target's, with its embeddings, final norm and head rows."""
+        config = copy.deepcopy(target.config.get_text_config() if hasattr(target.config, "get_text_config")
+                               else target.config)
+        layers = target.get_decoder().layers
+        n = len(layers)
+        picked = [i % n for i in init_layers]
+        if not picked or any(not -n <= i < n for i in init_layers):
+            raise ValueError(f"feature_draft_layers must name 1+ of the target's {n} layers, got {init_layers}")
+        config.num_hidden_layers = len(picked)
+        if getattr(config, "layer_types", None):  # per-layer attention kinds (Qwen2, Gemma): keep the picked ones
+            config.layer_types = [config.layer_types[i] for i in picked]
+        config.tie_word_embeddings = False
+        config.architectures = ["SpecdecFeatureDraft"]
+        setattr(config, CONFIG_FLAG, True)
+        config.specdec_feature_layers = picked
+        if keep_ids is not None:
+            setattr(config, vocab.CONFIG_KEY, int(keep_ids.numel()))
+        draft = cls(config).to(device=next(target.parameters()).device, dtype=next(target.parameters()).dtype)
+        with torch.no_grad():
+            draft.get_input_embeddings().weight.copy_(target.get_input_embeddings().weight)
+            for mine, i in zip(draft.model.layers, picked):
+                mine.load_state_dict(layers[i].state_dict())
+            draft.model.norm.load_state_dict(final_norm(target).state_dict())
+            embed_rms = target.get_input_embeddings().weight.float().pow(2).mean().sqrt()
+            draft.feature_norm.weight.fill_(float(embed_rms))
+            head = target.get_output_embeddings().weight
+            draft.lm_head.weight.copy_(head if keep_ids is None else head[keep_ids.to(head.device)])
+            # The token half starts as a pass-through of the embedding and the feature half at zero, so the
+            # untrained draft is the picked layers reading tokens (a derived draft, shifted by one position:
+            # the same function under rotary embeddings). Features are ~15x the embeddings' norm on SmolLM2,
+            # so even a small random start on their half would drown the tokens; its gradient is not zero.
+            hidden = config.hidden_size
+            draft.fc.weight.zero_()
+            draft.fc.weight[:, :hidden].copy_(torch.eye(hidden))
+            draft.fc.bias.zero_()
+        if keep_ids is not None:
+            draft.register_buffer("draft_to_target", keep_ids.to(draft.device), persistent=False)
+        return draft
+
+    def save_pretrained(self, out_dir: str | Path, state_dict: dict | None = None, **_ignored) -> None:
+        """config.json + model.safetensors (+ the id map); `state_dict` = a gathered one (FSDP, DeepSpeed)."""
+        from safetensors.torch import save_file
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.config.save_pretrained(out)
+        state = {k: v.detach().cpu().contiguous() for k, v in (state_dict or self.state_dict()).items()}
+        save_file(state, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+        vocab.save_vocab_map(self, out)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> "FeatureDraft":
+        from safetensors.torch import load_file
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(path))
+        draft = cls(config).to(dtype)  # before loading, so that float64 weights keep their precision
+        state = load_file(str(Path(path) / WEIGHTS_FILE))
+        missing, unexpected = draft.load_state_dict(state, strict=False)
+        if unexpected or [m for m in missing if not m.endswith("inv_freq")]:
+            raise ValueError(f"{path}: feature-draft weights do not match its config "
+                             f"(missing {missing}, unexpected {unexpected})")
+        if getattr(config, vocab.CONFIG_KEY, None):
+            draft.register_buffer("draft_to_target", vocab.load_vocab_map(path), persistent=False)
+        return draft.eval()
+
+
+class FeatureRecorder:
+    """Keeps the output of the target's final norm from its latest forward: the features f, [B, n, H]."""
+
+    def __init__(self, target: nn.Module):
+        self.latest: torch.Tensor | None = None
+        self._handle = final_norm(target).register_forward_hook(self._keep)
+
+    def _keep(self, _module, _inputs, output) -> None:
+        self.latest = output
+
+    def close(self) -> None:
+        self._handle.remove()
+
+    def __enter__(self) -> "FeatureRecorder":
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.close()

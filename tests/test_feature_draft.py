@@ -1,0 +1,220 @@
+"""The feature-conditioned (EAGLE-style) draft: exact decoding, true features read, save and load."""
+
+import pytest
+import torch
+from conftest import ragged_prompts, tiny_llama
+
+from specdec import decode, speculative_generate, target_generate
+from specdec.feature_draft import FeatureDraft
+from specdec.models import load_model
+
+VOCAB = 128
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def feature_draft(target):
+    torch.manual_seed(3)
+    return FeatureDraft.from_target(target, [-1]).eval()
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_greedy_output_equals_the_target_alone(target, feature_draft, batch, k):
+    for seed in range(4):
+        ids, mask = ragged_prompts(batch, VOCAB, seed=seed + 10 * k)
+        if batch == 1:
+            ids, mask = ids[:, mask[0].argmax():], None
+        ref = target_generate(target, ids, mask, max_new_tokens=40, eos_token_id=EOS)
+        out = speculative_generate(target, feature_draft, ids, mask, num_draft_tokens=k, max_new_tokens=40,
+                                   eos_token_id=EOS)
+        assert torch.equal(out.sequences, ref.sequences), f"seed {seed}"
+        assert not out.stats.fallback and out.stats.draft_forwards > 0
+
+
+def test_a_draft_that_agrees_often_gets_long_runs_and_stays_exact():
+    """On a one-layer target, a draft copied from that layer that reads only the token is the target minus
+    the first context token: long accepted runs exercise the rollback of guessed-feature positions."""
+    target = tiny_llama(seed=4, layers=1)
+    near = FeatureDraft.from_target(target, [0])
+    with torch.no_grad():
+        near.fc.weight[:, target.config.hidden_size:].zero_()
+    ids, mask = ragged_prompts(3, VOCAB, seed=9, min_len=6, max_len=12)
+    ref = target_generate(target, ids, mask, max_new_tokens=48)
+    out = speculative_generate(target, near, ids, mask, num_draft_tokens=4, max_new_tokens=48)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert out.stats.acceptance_rate > 0.3 and out.stats.bonus > 0 and out.stats.corrections > 0
+
+
+def test_each_round_reads_the_targets_true_features(target, feature_draft, monkeypatch):
+    """Positions read with true features must carry the target's final hidden state of that position (as a
+    full forward over the output computes it), and draft position t must read token t + 1."""
+    calls = []
+    forward = FeatureDraft.forward
+
+    def spy(self, input_ids, features, position_ids=None, **kwargs):
+        calls.append((input_ids.clone(), features.clone(), position_ids.clone()))
+        return forward(self, input_ids, features, position_ids=position_ids, **kwargs)
+
+    round_starts = []  # index in `calls` of each round's first draft forward (the one fed true features)
+    propose = decode._FeatureDraft.propose
+
+    def spy_round(self, *args, **kwargs):
+        round_starts.append(len(calls))
+        return propose(self, *args, **kwargs)
+
+    monkeypatch.setattr(FeatureDraft, "forward", spy)
+    monkeypatch.setattr(decode._FeatureDraft, "propose", spy_round)
+    ids = torch.tensor([[5, 17, 33, 8, 91, 40]])
+    out = speculative_generate(target, feature_draft, ids, num_draft_tokens=3, max_new_tokens=30)
+    seq = out.sequences
+    with torch.no_grad():
+        hidden = target.model(input_ids=seq).last_hidden_state  # [1, S, H]
+    checked = 0
+    for input_ids, features, positions in (calls[i] for i in round_starts):
+        start = int(positions[0, 0])
+        n = input_ids.shape[1]
+        assert torch.equal(input_ids[0], seq[0, start + 1: start + 1 + n])
+        torch.testing.assert_close(features[0], hidden[0, start: start + n], rtol=1e-6, atol=1e-6)
+        checked += 1
+    assert checked >= 5
+
+
+def test_a_reduced_vocabulary_feature_draft_saves_loads_and_is_exact(target, tmp_path):
+    torch.manual_seed(0)
+    keep = torch.randperm(VOCAB)[:40]
+    draft = FeatureDraft.from_target(target, [0, 1], keep_ids=keep)
+    draft.save_pretrained(tmp_path / "fd")
+    loaded = load_model(str(tmp_path / "fd"), dtype="float64", device="cpu")
+    assert isinstance(loaded, FeatureDraft) and torch.equal(loaded.draft_to_target, keep)
+    assert loaded.config.num_hidden_layers == 2 and loaded.lm_head.out_features == 40
+    for name, value in draft.state_dict().items():
+        assert torch.equal(value, loaded.state_dict()[name]), name
+    ids, mask = ragged_prompts(3, VOCAB, seed=2)
+    ref = target_generate(target, ids, mask, max_new_tokens=32)
+    out = speculative_generate(target, loaded, ids, mask, num_draft_tokens=4, max_new_tokens=32)
+    assert torch.equal(out.sequences, ref.sequences)
+
+
+def test_bad_layer_list_is_refused(target):
+    with pytest.raises(ValueError, match="feature_draft_layers"):
+        FeatureDraft.from_target(target, [5])
+
+
+# ---- unrolled training and scoring (train/feature_train.py) -----------------------------------------------
+
+
+def test_unrolled_run_lengths_match_the_decoders_rounds():
+    """The held-out simulation is exact: on the target's own greedy output, unrolled blocks predict every
+    round's accepted count of the real decoder (the guessed features feed later proposals, as in decoding)."""
+    from train.feature_train import run_lengths, target_features, unrolled
+
+    target = tiny_llama(seed=4, layers=1)
+    draft = FeatureDraft.from_target(target, [0])
+    with torch.no_grad():  # the token path (long runs) plus a feature path that changes some proposals
+        draft.fc.weight[:, target.config.hidden_size:].normal_(std=0.05, generator=torch.Generator().manual_seed(0))
+    prompt = torch.tensor([[5, 17, 33, 8, 91, 40, 12]])
+    k, new = 4, 40
+    out = speculative_generate(target, draft, prompt, num_draft_tokens=k, max_new_tokens=new, trace=True)
+    seq = target_generate(target, prompt, max_new_tokens=new).sequences
+    assert torch.equal(out.sequences, seq)
+    mask = torch.ones_like(seq)
+    loss_mask = torch.zeros_like(seq, dtype=torch.bool)
+    loss_mask[0, prompt.shape[1] - 1: seq.shape[1] - 1] = True
+    with torch.no_grad():
+        outs = unrolled(draft, seq, target_features(target, seq, mask), mask, steps=k)
+        runs = run_lengths(draft.lm_head, outs, seq, loss_mask, None)[0]
+    i, length = 1, prompt.shape[1] + 1  # the first round drafts completion token 1 (token 0 is the prefill's)
+    for r in out.trace:
+        k_round = max(1, min(k, prompt.shape[1] + new - length - 1))
+        assert int(r.num_accepted[0]) == min(runs[i], k_round), f"round at completion token {i}"
+        i += r.advanced
+        length += r.advanced
+    assert max(int(r.num_accepted[0]) for r in out.trace) >= 2 and min(runs) == 0
+
+
+def test_block_mask_gives_each_block_its_decode_time_view():
+    from train.feature_train import block_mask
+
+    m = block_mask(torch.ones(1, 5, dtype=torch.long), 3, torch.float32)[0, 0] == 0  # [5 queries, 15 keys]
+    # block 3 at t = 4: true features up to t - 2 = 2, block 2 at t - 1 = 3, itself (block 3) at 4
+    assert m[4].nonzero().flatten().tolist() == [0, 1, 2, 5 + 3, 10 + 4]
+    assert m[1].nonzero().flatten().tolist() == [5 + 0, 10 + 1]  # a round starting before position 0: no block 1
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_the_trainer_distils_a_feature_draft_end_to_end(tmp_path):
+    """draft=feature through the real loop: offline teacher, reduced head, unrolled steps, held-out tau from
+    the unrolled simulation, best/ and final/ that load as feature drafts and decode exactly."""
+    import json
+    import logging
+
+    from conftest import save_tiny_world
+
+    from train import distill
+
+    ws = save_tiny_world(tmp_path / "ws", target_layers=2, small_seed=7, n_train=24, n_heldout=6)
+    cfg = distill.TrainConfig(target=str(ws / "target"), train_data=str(ws / "data"), heldout_data=str(ws / "heldout"),
+                              output_dir=str(tmp_path / "run"), device="cpu", draft="feature", draft_layers=[-1],
+                              teacher="offline", draft_vocab_size=40, feature_steps=2, max_steps=12,
+                              per_device_batch_size=24, warmup_steps=0, log_every=1, eval_every=6, save_every=6,
+                              eval_samples=6, eval_batch_size=3, learning_rate=3e-3, freeze_embeddings=True)
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger("train.distill")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        final = distill.run(cfg)
+    finally:
+        logger.removeHandler(handler)
+    history = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in history] == [0, 6, 12]
+    assert all(1.0 <= h["tau"]["4"] <= 5.0 and 0 <= h["agreement"] <= 1 for h in history)
+    # One full batch repeated: the unrolled loss must fall (the loop really optimises the feature draft).
+    loss = [float(m.split("loss ")[1].split()[0]) for m in messages if m.startswith("step ") and " loss " in m]
+    assert len(loss) == 12 and loss[-1] < 0.8 * loss[0]
+    draft = load_model(str(final), dtype="float32", device="cpu")
+    assert isinstance(draft, FeatureDraft) and draft.lm_head.out_features == 40
+    assert isinstance(load_model(str(tmp_path / "run" / "best"), dtype="float32", device="cpu"), FeatureDraft)
+    target = load_model(str(ws / "target"), dtype="float32", device="cpu")
+    ids, mask = ragged_prompts(2, VOCAB, seed=5)
+    ref = target_generate(target, ids, mask, max_new_tokens=16)
+    assert torch.equal(speculative_generate(target, draft, ids, mask, 3, max_new_tokens=16).sequences, ref.sequences)
+
+
+def test_feature_draft_config_errors():
+    from train.distill import TrainConfig
+
+    with pytest.raises(ValueError, match="on_policy"):
+        TrainConfig(draft="feature", teacher="on_policy")
+    with pytest.raises(ValueError, match="lora"):
+        TrainConfig(draft="feature", lora=True)
+
+
+def test_specdec_eval_runs_a_feature_draft_and_predicts_its_tau_exactly(tiny_checkpoints, tmp_path):
+    """`specdec eval` with a saved feature draft: exact output, costs timed, and choose_k's unrolled replay
+    equal to the decoder's measured tau on the same greedy prompts."""
+    import json
+
+    from conftest import tiny_tokenizer
+
+    from specdec.cli import main
+
+    target = load_model(tiny_checkpoints["target"], dtype="float64", device="cpu")
+    draft = FeatureDraft.from_target(target, [0, 1])
+    with torch.no_grad():  # the target minus its first context token, plus a small feature path: long runs
+        draft.fc.weight[:, target.config.hidden_size:].normal_(std=0.05, generator=torch.Generator().manual_seed(1))
+    draft.save_pretrained(tmp_path / "fd")
+    tiny_tokenizer().save_pretrained(tmp_path / "fd")
+    code = main(["eval", "--target", tiny_checkpoints["target"], "--draft", str(tmp_path / "fd"), "--prompts",
+                 tiny_checkpoints["prompts"], "--max-new-tokens", "16", "--out", str(tmp_path / "out"),
+                 "dtype=float64", "cost_repeats=2", "threads=1", "choose_k=2,3", "choose_k_prompts=4",
+                 "num_prompts=4", "warmup=0"])
+    assert code == 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["equivalence"]["passed"] and report["equivalence"]["mismatches"] == 0
+    ck = report["choose_k"]
+    assert ck["c"] > 0 and ck["tau"][str(ck["chosen"])] > 1.5
+    assert ck["tau"][str(ck["chosen"])] == pytest.approx(report["speculative"]["mean_accepted_tokens"])
