@@ -218,3 +218,20 @@ def test_specdec_eval_runs_a_feature_draft_and_predicts_its_tau_exactly(tiny_che
     ck = report["choose_k"]
     assert ck["c"] > 0 and ck["tau"][str(ck["chosen"])] > 1.5
     assert ck["tau"][str(ck["chosen"])] == pytest.approx(report["speculative"]["mean_accepted_tokens"])
+
+
+def test_feature_cache_computes_once_and_tells_same_ids_with_other_tokens_apart(target):
+    import contextlib
+
+    from train.feature_train import FeatureCache, target_features
+
+    cache = FeatureCache(target, contextlib.nullcontext)
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+    first = cache(["a", "b"], {"input_ids": ids, "attention_mask": mask})
+    torch.testing.assert_close(first[0], target_features(target, ids[:1], mask[:1])[0].float(), atol=1e-2, rtol=1e-2)
+    assert len(cache.store) == 2 and first[1, 3].abs().sum() == 0  # padding stays zero
+    other = cache(["a"], {"input_ids": torch.tensor([[5, 6, 7, 9]]), "attention_mask": torch.ones(1, 4, dtype=torch.long)})
+    assert len(cache.store) == 3 and not torch.equal(other[0, 3], first[0, 3])
+    again = cache(["b", "a"], {"input_ids": ids.flip(0), "attention_mask": mask.flip(0)})
+    assert len(cache.store) == 3 and torch.equal(again[1], first[0])

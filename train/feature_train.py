@@ -125,15 +125,17 @@ class FeatureCache:
     def __call__(self, sample_ids: list[str], batch: dict) -> torch.Tensor:
         """Features [B, W, H] (float32, on the batch's device) for the right-padded `batch`."""
         ids, mask = batch["input_ids"], batch["attention_mask"]
-        missing = [b for b, sid in enumerate(sample_ids) if sid not in self.store]
+        # Keyed by the tokens too: two data folders may reuse a prompt id for different sequences.
+        keys = [(sid, hash(tuple(ids[b, : int(mask[b].sum())].tolist()))) for b, sid in enumerate(sample_ids)]
+        missing = [b for b, key in enumerate(keys) if key not in self.store]
         if missing:
             with self.autocast():
                 fresh = target_features(self.target, ids[missing], mask[missing]).float()
             for row, b in enumerate(missing):
-                self.store[sample_ids[b]] = fresh[row, : int(mask[b].sum())].to("cpu", torch.float16)
+                self.store[keys[b]] = fresh[row, : int(mask[b].sum())].to("cpu", torch.float16)
         out = torch.zeros(*ids.shape, self.target.config.hidden_size, device=ids.device)
-        for b, sid in enumerate(sample_ids):
-            f = self.store[sid]
+        for b, key in enumerate(keys):
+            f = self.store[key]
             out[b, : len(f)] = f.to(out.device, torch.float32)
         return out
 
