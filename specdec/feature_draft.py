@@ -7,7 +7,7 @@ EAGLE (Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature 
 arXiv:2401.15077): one decoder layer over fc([embed(x_{t+1}); f_t]).
 
 While drafting beyond the first token the true f is not known yet, so the draft feeds back its own
-prediction; after each verification the target's true features replace them (`_FeatureDrafter` in
+prediction; after each verification the target's true features replace them (`_FeatureDraft` in
 specdec/decode.py). Verification is unchanged, so decoding stays exact whatever the draft proposes.
 
 The module is built from the target's config with `num_hidden_layers` = the draft's depth and is saved as
@@ -110,7 +110,8 @@ class FeatureDraft(nn.Module):
         n = len(layers)
         picked = [i % n for i in init_layers]
         if not picked or any(not -n <= i < n for i in init_layers):
-            raise ValueError(f"feature_draft_layers must name 1+ of the target's {n} layers, got {init_layers}")
+            raise ValueError(f"draft_layers must name 1+ of the target's {n} layers (0..{n - 1} or negative), "
+                             f"got {init_layers}")
         config.num_hidden_layers = len(picked)
         if getattr(config, "layer_types", None):  # per-layer attention kinds (Qwen2, Gemma): keep the picked ones
             config.layer_types = [config.layer_types[i] for i in picked]

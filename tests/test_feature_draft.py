@@ -97,7 +97,7 @@ def test_a_reduced_vocabulary_feature_draft_saves_loads_and_is_exact(target, tmp
 
 
 def test_bad_layer_list_is_refused(target):
-    with pytest.raises(ValueError, match="feature_draft_layers"):
+    with pytest.raises(ValueError, match="draft_layers must name"):
         FeatureDraft.from_target(target, [5])
 
 

@@ -18,7 +18,6 @@ drafts (train/simulate.py).
 from __future__ import annotations
 
 from collections.abc import Sequence
-
 from typing import Any
 
 import torch
@@ -79,20 +78,17 @@ def run_lengths(head, outputs, input_ids: torch.Tensor, loss_mask: torch.Tensor,
     for hidden in outputs:
         local = head(hidden).argmax(dim=-1)
         preds.append(local if id_map is None else id_map.to(local.device)[local])  # [B, n] target ids
+    preds = torch.stack(preds).tolist()  # [steps][B][n], read element by element below
     runs = []
-    for b in range(input_ids.shape[0]):
-        # loss_mask[b, p] marks positions p whose next token x_{p+1} is a completion token.
-        completion = loss_mask[b].nonzero().flatten().tolist()
-        x = input_ids[b].tolist()
+    for b, (scored, x) in enumerate(zip(loss_mask.tolist(), input_ids.tolist())):
+        # scored[p] marks positions p whose next token x_{p+1} is a completion token.
         row = []
-        for p in completion:
+        for p in (p for p, s in enumerate(scored) if s):
             first = p + 1  # the round's first proposal is token `first`; block 1 proposes it at t = first - 2
             run = 0
             for j in range(1, steps + 1):
                 t, token = first - 2 + (j - 1), first + j - 1
-                if t < 0 or token >= len(x) or not bool(loss_mask[b, token - 1]):
-                    break
-                if int(preds[j - 1][b, t]) != x[token]:
+                if t < 0 or token >= len(x) or not scored[token - 1] or preds[j - 1][b][t] != x[token]:
                     break
                 run += 1
             row.append(run)

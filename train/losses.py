@@ -164,8 +164,6 @@ def with_teacher_mass(student: torch.Tensor, teacher: torch.Tensor) -> tuple[tor
     """Drop the rows whose teacher has no id in the draft's vocabulary (a reduced head missing all of the
     stored top-n): their renormalised teacher is undefined and would make the loss nan.  [N, V] x2"""
     keep = torch.isfinite(teacher).any(dim=-1)
-    if bool(keep.all()):
-        return student, teacher
     return student[keep], teacher[keep]
 
 
