@@ -7,8 +7,9 @@ Greedy, batch 1, the same prompts, k and draft for every mode; the three modes r
 (A/B/C) so machine drift hits all alike, after one warm-up prompt. Prints tokens/s of each mode, the ratios
 measured in this run, and the share of the speculative call spent outside the two models' forward calls
 (sampling, verification, cache rollback, bookkeeping). Every output is checked token-identical to the target's.
-"plain head" is the same speculative call with the CPU head fast path off (specdec/fast_head.py), to show how
-much of the gain over transformers comes from the head's matmul layout and how much from the loop.
+The "plain linears" rows are the same calls with the CPU linear fast path off (specdec/fast_linear.py), to show
+how much of the gain over transformers comes from the matmul layout (which the target alone gets too) and how
+much from the loop.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from specdec import fast_head, target_generate
+from specdec import fast_linear, target_generate
 from specdec.decode import speculative_generate
 from specdec.models import EMBEDDED_TARGET, load_model, load_tokenizer
 from specdec.prompts import encode_prompt, read_prompts
@@ -89,20 +90,28 @@ def main() -> None:
         stats.append(out.stats)
         return out.sequences
 
-    def run_specdec_plain_head(ids):
-        fast_head.ENABLED = False
-        try:
-            return speculative_generate(target, draft, ids, num_draft_tokens=args.k,
-                                        max_new_tokens=args.max_new_tokens, eos_token_id=eos).sequences
-        finally:
-            fast_head.ENABLED = True
+    def plain_linears(run):
+        def run_plain(ids):
+            fast_linear.ENABLED = False
+            try:
+                return run(ids)
+            finally:
+                fast_linear.ENABLED = True
+
+        return run_plain
+
+    def run_specdec_untracked(ids):
+        return speculative_generate(target, draft, ids, num_draft_tokens=args.k, max_new_tokens=args.max_new_tokens,
+                                    eos_token_id=eos).sequences
 
     def run_assisted(ids):
         return target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft, do_sample=False,
                                max_new_tokens=args.max_new_tokens, eos_token_id=eos, pad_token_id=eos)
 
     modes = {"target alone": run_target, "specdec speculative": run_specdec,
-             "specdec speculative, plain head": run_specdec_plain_head, "transformers assisted": run_assisted}
+             "target alone, plain linears": plain_linears(run_target),
+             "specdec speculative, plain linears": plain_linears(run_specdec_untracked),
+             "transformers assisted": run_assisted}
     seconds = {name: 0.0 for name in modes}
     tokens = {name: 0 for name in modes}
     forward_share: list[float] = []

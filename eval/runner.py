@@ -213,9 +213,9 @@ def _median_step(model, ids: torch.Tensor, n_new: int, repeats: int) -> float:
 
 def measure_costs(target, draft, ids: torch.Tensor, ks: list[int], repeats: int) -> dict:
     """c = draft step / target step and v(k+1) = verify of k+1 tokens / target step, from cached forwards."""
-    from specdec.fast_head import fast_heads
+    from specdec.fast_linear import fast_linears
 
-    with fast_heads(target, draft):  # the heads the decoders use
+    with fast_linears(target, draft):  # the layers the decoders use
         t1 = _median_step(target, ids, 1, repeats)
         d1 = _median_step(draft, ids, 1, repeats)
         verify = {k: _median_step(target, ids, k + 1, repeats) for k in ks}

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from specdec.fast_head import fast_heads
+from specdec.fast_linear import fast_linears
 from specdec.feature_draft import FeatureRecorder
 from specdec.sampling import SamplingConfig, next_token, probabilities, sample_from
 from specdec.verify import greedy_verify, rejection_verify
@@ -176,8 +176,8 @@ class _Batch:
         return self.length >= self.max_length or (self.eos.numel() > 0 and bool(self.finished.all()))
 
 
-def _with_fast_heads(*names: str):
-    """Run the decorated decoder with the CPU head fast path on the named models (specdec/fast_head.py)."""
+def _with_fast_linears(*names: str):
+    """Run the decorated decoder with the CPU linear fast path on the named models (specdec/fast_linear.py)."""
 
     def decorate(fn):
         signature = inspect.signature(fn)
@@ -185,7 +185,7 @@ def _with_fast_heads(*names: str):
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
             bound = signature.bind_partial(*args, **kwargs).arguments
-            with fast_heads(*(bound.get(name) for name in names)):
+            with fast_linears(*(bound.get(name) for name in names)):
                 return fn(*args, **kwargs)
 
         return wrapper
@@ -313,7 +313,7 @@ def _target_steps(target, cache, batch, sampling, generator, stats, clock, kwarg
 
 
 @torch.inference_mode()
-@_with_fast_heads("target")
+@_with_fast_linears("target")
 def target_generate(
     target,
     input_ids: torch.Tensor,
@@ -443,7 +443,7 @@ class _FeatureDraft(_Draft):
 
 
 @torch.inference_mode()
-@_with_fast_heads("target", "draft")
+@_with_fast_linears("target", "draft")
 def speculative_generate(
     target,
     draft,
