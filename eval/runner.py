@@ -12,7 +12,9 @@ marks for TTFT and ITL); token counting, memory reads and bookkeeping happen out
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -134,9 +136,6 @@ def _sync(device: torch.device) -> None:
 
 def _release_freed_memory() -> None:
     """Collect garbage and return the C allocator's free pages to the OS (glibc's malloc_trim; a no-op elsewhere)."""
-    import ctypes
-    import gc
-
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)

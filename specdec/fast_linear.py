@@ -13,8 +13,8 @@ each matrix cold in cache (microseconds per matrix, `F.linear` / W @ x^T):
 One row takes the slow GEMV path either way, so a single row is computed as two. A SmolLM2-135M decode step
 took 29-32 ms with every linear layer on this path, 47-48 ms with the head alone and 55 ms with neither; a
 verification of 2 / 4 tokens then cost 1.0-1.14 / 1.28-1.44 single steps, against 1.44-1.49 / 1.41-1.52 with
-the head alone (`bench/costs.py`). Past a handful of rows (prefill, data generation at batch 64) `F.linear` is as fast or
-faster again, so the fast path stops at MAX_ROWS (MAX_HEAD_ROWS for the much larger output head).
+the head alone (`bench/costs.py`). Past a handful of rows (prefill, data generation at batch 64) `F.linear` is
+as fast or faster again, so the fast path stops at MAX_ROWS (MAX_HEAD_ROWS for the much larger output head).
 
 The patch is scoped: each layer's `forward` is replaced on entry and restored on exit, only for plain
 `nn.Linear` layers on the CPU in float32 / float64 that nobody else has patched (accelerate hooks, a user's
