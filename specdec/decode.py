@@ -464,7 +464,7 @@ def speculative_generate(
     batch = _Batch(input_ids, attention_mask, max_new_tokens, k + 1, eos_token_id, _pad_id(pad_token_id, eos_token_id))
     stats = DecodeStats(num_draft_tokens=k, position_tried=[0] * k, position_accepted=[0] * k)
     # A feature-conditioned draft reads the target's final hidden states: record them from its forwards.
-    recorder = FeatureRecorder(target) if getattr(draft, "is_feature_draft", False) else None
+    recorder = FeatureRecorder(target, draft.aux_layers) if getattr(draft, "is_feature_draft", False) else None
     try:
         return _speculate(target, draft, batch, k, sampling, generator, stats, _Clock(timing, input_ids.device),
                           trace, recorder)

@@ -18,9 +18,21 @@ def feature_draft(target):
     return FeatureDraft.from_target(target, [-1]).eval()
 
 
+@pytest.fixture(scope="module")
+def aux_feature_draft(target):
+    """Reads target layer 0's output as well as the final feature, with a live path from it (not the zero init)."""
+    draft = FeatureDraft.from_target(target, [-1], aux_layers=[0]).eval()
+    hidden = target.config.hidden_size
+    with torch.no_grad():
+        draft.fc.weight[:, 2 * hidden:].normal_(std=0.3, generator=torch.Generator().manual_seed(5))
+    return draft
+
+
+@pytest.mark.parametrize("kind", ["final feature", "with an auxiliary layer"])
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("k", [1, 3, 6])
-def test_greedy_output_equals_the_target_alone(target, feature_draft, batch, k):
+def test_greedy_output_equals_the_target_alone(target, request, kind, batch, k):
+    feature_draft = request.getfixturevalue("feature_draft" if kind == "final feature" else "aux_feature_draft")
     for seed in range(4):
         ids, mask = ragged_prompts(batch, VOCAB, seed=seed + 10 * k)
         if batch == 1:
@@ -46,9 +58,12 @@ def test_a_draft_that_agrees_often_gets_long_runs_and_stays_exact():
     assert out.stats.acceptance_rate > 0.3 and out.stats.bonus > 0 and out.stats.corrections > 0
 
 
-def test_each_round_reads_the_targets_true_features(target, feature_draft, monkeypatch):
+@pytest.mark.parametrize("aux_layers", [[], [0]])
+def test_each_round_reads_the_targets_true_features(target, monkeypatch, aux_layers):
     """Positions read with true features must carry the target's final hidden state of that position (as a
-    full forward over the output computes it), and draft position t must read token t + 1."""
+    full forward over the output computes it), then the outputs of the auxiliary layers, and draft position t
+    must read token t + 1."""
+    feature_draft = FeatureDraft.from_target(target, [-1], aux_layers=aux_layers).eval()
     calls = []
     forward = FeatureDraft.forward
 
@@ -69,7 +84,9 @@ def test_each_round_reads_the_targets_true_features(target, feature_draft, monke
     out = speculative_generate(target, feature_draft, ids, num_draft_tokens=3, max_new_tokens=30)
     seq = out.sequences
     with torch.no_grad():
-        hidden = target.model(input_ids=seq).last_hidden_state  # [1, S, H]
+        states = target.model(input_ids=seq, output_hidden_states=True)
+        # hidden_states[i + 1] is decoder layer i's output; the last entry is the final norm's
+        hidden = torch.cat([states.last_hidden_state] + [states.hidden_states[i + 1] for i in aux_layers], dim=-1)
     checked = 0
     for input_ids, features, positions in (calls[i] for i in round_starts):
         start = int(positions[0, 0])
@@ -96,9 +113,39 @@ def test_a_reduced_vocabulary_feature_draft_saves_loads_and_is_exact(target, tmp
     assert torch.equal(out.sequences, ref.sequences)
 
 
+def test_an_auxiliary_layer_draft_saves_loads_and_is_exact(target, aux_feature_draft, tmp_path):
+    aux_feature_draft.save_pretrained(tmp_path / "fd")
+    loaded = load_model(str(tmp_path / "fd"), dtype="float64", device="cpu")
+    assert loaded.aux_layers == [0] and loaded.feature_width == 2 * target.config.hidden_size
+    for name, value in aux_feature_draft.state_dict().items():
+        assert torch.equal(value, loaded.state_dict()[name]), name
+    ids, mask = ragged_prompts(3, VOCAB, seed=4)
+    ref = target_generate(target, ids, mask, max_new_tokens=32)
+    out = speculative_generate(target, loaded, ids, mask, num_draft_tokens=2, max_new_tokens=32)
+    assert torch.equal(out.sequences, ref.sequences)
+
+
+def test_auxiliary_features_change_proposals_and_start_unused(target, aux_feature_draft):
+    """At init the auxiliary path is zero (the draft is the final-feature one); once live it moves proposals,
+    and a draft-predicted feature (width H) reads zeros in its place."""
+    ids = torch.tensor([[5, 17, 33, 8]])
+    width = aux_feature_draft.feature_width
+    features = torch.randn(1, 4, width, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    fresh = FeatureDraft.from_target(target, [-1], aux_layers=[0])
+    plain = FeatureDraft.from_target(target, [-1])
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(ids, features)[1], plain(ids, features[..., :32])[1])
+        live = aux_feature_draft(ids, features)[1]
+        assert not torch.allclose(live, aux_feature_draft(ids, features * torch.tensor([1.0, 0.0], dtype=features.dtype).repeat_interleave(32))[1])
+        torch.testing.assert_close(aux_feature_draft(ids, features[..., :32])[1],
+                                   aux_feature_draft(ids, torch.cat([features[..., :32], 0 * features[..., 32:]], -1))[1])
+
+
 def test_bad_layer_list_is_refused(target):
     with pytest.raises(ValueError, match="draft_layers must name"):
         FeatureDraft.from_target(target, [5])
+    with pytest.raises(ValueError, match="feature_aux_layers must name"):
+        FeatureDraft.from_target(target, [0], aux_layers=[2])
 
 
 # ---- unrolled training and scoring (train/feature_train.py) -----------------------------------------------
@@ -143,9 +190,11 @@ def test_block_mask_gives_each_block_its_decode_time_view():
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
-def test_the_trainer_distils_a_feature_draft_end_to_end(tmp_path):
+@pytest.mark.parametrize("aux_layers", [[], [0]])
+def test_the_trainer_distils_a_feature_draft_end_to_end(tmp_path, aux_layers):
     """draft=feature through the real loop: offline teacher, reduced head, unrolled steps, held-out tau from
-    the unrolled simulation, best/ and final/ that load as feature drafts and decode exactly."""
+    the unrolled simulation, best/ and final/ that load as feature drafts and decode exactly; with and without
+    an auxiliary target layer."""
     import json
     import logging
 
@@ -158,7 +207,8 @@ def test_the_trainer_distils_a_feature_draft_end_to_end(tmp_path):
                               output_dir=str(tmp_path / "run"), device="cpu", draft="feature", draft_layers=[-1],
                               teacher="offline", draft_vocab_size=40, feature_steps=2, max_steps=12,
                               per_device_batch_size=24, warmup_steps=0, log_every=1, eval_every=6, save_every=6,
-                              eval_samples=6, eval_batch_size=3, learning_rate=3e-3, freeze_embeddings=True)
+                              eval_samples=6, eval_batch_size=3, learning_rate=3e-3, freeze_embeddings=True,
+                              feature_aux_layers=aux_layers)
     messages = []
     handler = logging.Handler()
     handler.emit = lambda record: messages.append(record.getMessage())
@@ -176,7 +226,7 @@ def test_the_trainer_distils_a_feature_draft_end_to_end(tmp_path):
     loss = [float(m.split("loss ")[1].split()[0]) for m in messages if m.startswith("step ") and " loss " in m]
     assert len(loss) == 12 and loss[-1] < 0.8 * loss[0]
     draft = load_model(str(final), dtype="float32", device="cpu")
-    assert isinstance(draft, FeatureDraft) and draft.lm_head.out_features == 40
+    assert isinstance(draft, FeatureDraft) and draft.lm_head.out_features == 40 and draft.aux_layers == aux_layers
     assert isinstance(load_model(str(tmp_path / "run" / "best"), dtype="float32", device="cpu"), FeatureDraft)
     target = load_model(str(ws / "target"), dtype="float32", device="cpu")
     ids, mask = ragged_prompts(2, VOCAB, seed=5)
@@ -191,6 +241,8 @@ def test_feature_draft_config_errors():
         TrainConfig(draft="feature", teacher="on_policy")
     with pytest.raises(ValueError, match="lora"):
         TrainConfig(draft="feature", lora=True)
+    with pytest.raises(ValueError, match="feature_aux_layers is for draft=feature"):
+        TrainConfig(draft="derived", feature_aux_layers=[1])
 
 
 def test_specdec_eval_runs_a_feature_draft_and_predicts_its_tau_exactly(tiny_checkpoints, tmp_path):

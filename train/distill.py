@@ -76,6 +76,9 @@ class TrainConfig:
     # draft=feature (EAGLE-style, specdec/feature_draft.py): draft_layers picks the target layers it starts from
     feature_steps: int = 2  # proposals unrolled per position in training (train/feature_train.py); 1 = true f only
     feature_regression_weight: float = 0.1  # smooth-L1 between predicted and true next features
+    # Target layers whose outputs the draft reads besides the final feature (EAGLE-3's fused low/middle/high
+    # features), e.g. [1, 14, 26] of a 30-layer target; [] = the final feature only.
+    feature_aux_layers: list[int] = field(default_factory=list)
     # teacher signal and loss
     teacher: str = "online"  # online | offline | on_policy
     loss: str = "fkl"  # fkl | rkl | jsd | tvd | ce
@@ -144,6 +147,8 @@ class TrainConfig:
                 raise ValueError("draft=feature is a new small module: train it fully (lora=false)")
             if self.feature_steps < 1 or self.feature_regression_weight < 0:
                 raise ValueError("feature_steps must be >= 1 and feature_regression_weight >= 0")
+        elif self.feature_aux_layers:
+            raise ValueError("feature_aux_layers is for draft=feature (a token-only draft reads no target features)")
         if self.lora and self.draft in (DERIVED, SCRATCH):
             log.warning("lora=true on a %s draft: usually a full fine-tune is better for new layer stacks", self.draft)
 
@@ -571,7 +576,7 @@ def run(cfg: TrainConfig) -> Path:
 
     if feature:
         keep = reduced_vocab(target.get_input_embeddings().num_embeddings) if cfg.draft_vocab_size else None
-        model = FeatureDraft.from_target(target, cfg.draft_layers, keep).float().to(device)
+        model = FeatureDraft.from_target(target, cfg.draft_layers, keep, cfg.feature_aux_layers).float().to(device)
     else:
         model = draft_lib.build_draft(cfg.draft, target, cfg.draft_layers, cfg.draft_config, cfg.seed, device)
     draft_tok = tokenizer if cfg.draft in (DERIVED, SCRATCH, FEATURE) else load_tokenizer(cfg.draft)
@@ -623,7 +628,7 @@ def run(cfg: TrainConfig) -> Path:
     if feature:
         head = accelerator.unwrap_model(model).get_output_embeddings()
         target_head = target.get_output_embeddings() if cfg.teacher == "online" else None
-        features_of = feature_train.FeatureCache(target, accelerator.autocast)
+        features_of = feature_train.FeatureCache(target, accelerator.autocast, cfg.feature_aux_layers)
 
     def eval_chunks():
         for s in range(0, len(heldout), cfg.eval_batch_size):

@@ -59,13 +59,15 @@ def unrolled(draft, input_ids: torch.Tensor, features: torch.Tensor, attention_m
         mask = block_mask(valid, block, inner.dtype)
         hidden, _ = draft(ids, feats, position_ids=positions, attention_mask=mask, cache=cache, head=False)
         outputs.append(hidden)
-        feats = F.pad(hidden[:, :-1], (0, 0, 1, 0))  # block j + 1 at t reads block j's prediction at t - 1
+        # block j + 1 at t reads block j's prediction at t - 1 (final feature only: auxiliary parts read zeros)
+        feats = F.pad(hidden[:, :-1], (0, 0, 1, 0))
     return outputs
 
 
-def target_features(target, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """The target's final hidden states f (post-norm), no head computed.  [B, S, H]"""
-    with FeatureRecorder(target) as rec, torch.no_grad():
+def target_features(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, aux_layers=()) -> torch.Tensor:
+    """The target's features f: final hidden states (post-norm), then layers `aux_layers`' outputs; no head
+    computed.  [B, S, (1 + len(aux_layers)) H]"""
+    with FeatureRecorder(target, aux_layers) as rec, torch.no_grad():
         target.get_decoder()(input_ids=input_ids, attention_mask=attention_mask)
         return rec.latest
 
@@ -112,11 +114,12 @@ def tau_from_runs(runs: Sequence[Sequence[int]], ks: Sequence[int] = range(1, 9)
 
 class FeatureCache:
     """The target's features of each training and held-out sample, computed on first use and kept (float16, in
-    host memory: 1.1 KB per token for a 576-wide target), so later epochs and evaluations cost no target forward.
-    A resumed run recomputes them as it meets each sample again."""
+    host memory: 1.1 KB per token and feature layer for a 576-wide target), so later epochs and evaluations cost
+    no target forward. A resumed run recomputes them as it meets each sample again."""
 
-    def __init__(self, target, autocast):
-        self.target, self.autocast, self.store = target, autocast, {}
+    def __init__(self, target, autocast, aux_layers=()):
+        self.target, self.autocast, self.aux_layers, self.store = target, autocast, list(aux_layers), {}
+        self.width = (1 + len(self.aux_layers)) * target.config.hidden_size
 
     def __call__(self, sample_ids: list[str], batch: dict) -> torch.Tensor:
         """Features [B, W, H] (float32, on the batch's device) for the right-padded `batch`."""
@@ -126,14 +129,18 @@ class FeatureCache:
         missing = [b for b, key in enumerate(keys) if key not in self.store]
         if missing:
             with self.autocast():
-                fresh = target_features(self.target, ids[missing], mask[missing]).float()
+                fresh = target_features(self.target, ids[missing], mask[missing], self.aux_layers).float()
             for row, b in enumerate(missing):
                 self.store[keys[b]] = fresh[row, : int(mask[b].sum())].to("cpu", torch.float16)
-        out = torch.zeros(*ids.shape, self.target.config.hidden_size, device=ids.device)
+        out = torch.zeros(*ids.shape, self.width, device=ids.device)
         for b, key in enumerate(keys):
             f = self.store[key]
             out[b, : len(f)] = f.to(out.device, torch.float32)
         return out
+
+
+def hidden_size(draft) -> int:
+    return getattr(draft, "module", draft).config.hidden_size
 
 
 def feature_loss(cfg, draft, head, batch: dict, features: torch.Tensor, target_head, id_map, inv_map) -> torch.Tensor:
@@ -142,7 +149,7 @@ def feature_loss(cfg, draft, head, batch: dict, features: torch.Tensor, target_h
     outs = unrolled(draft, batch["input_ids"], features, batch["attention_mask"], cfg.feature_steps)
     scored = batch["loss_mask"][:, 1:].bool()  # draft position t proposes the token target position t + 1 predicts
     position = torch.arange(scored.shape[1], device=scored.device)[None]
-    true_next = features[:, 1:]
+    true_next = features[:, 1:, : hidden_size(draft)]  # the final feature: what the draft predicts
     total = 0.0
     for block, hidden in enumerate(outs, start=1):
         mask = scored & (position >= block - 1)  # block j at t belongs to a round starting at t - (j - 1) >= 0
