@@ -97,32 +97,31 @@ def test_each_round_reads_the_targets_true_features(target, monkeypatch, aux_lay
     assert checked >= 5
 
 
+def _reloaded_and_exact(target, draft, path, k: int):
+    """Save `draft`, load it back through load_model, check every weight and exact decoding; the loaded draft."""
+    draft.save_pretrained(path)
+    loaded = load_model(str(path), dtype="float64", device="cpu")
+    assert isinstance(loaded, FeatureDraft)
+    for name, value in draft.state_dict().items():
+        assert torch.equal(value, loaded.state_dict()[name]), name
+    ids, mask = ragged_prompts(3, VOCAB, seed=k)
+    ref = target_generate(target, ids, mask, max_new_tokens=32)
+    out = speculative_generate(target, loaded, ids, mask, num_draft_tokens=k, max_new_tokens=32)
+    assert torch.equal(out.sequences, ref.sequences)
+    return loaded
+
+
 def test_a_reduced_vocabulary_feature_draft_saves_loads_and_is_exact(target, tmp_path):
     torch.manual_seed(0)
     keep = torch.randperm(VOCAB)[:40]
-    draft = FeatureDraft.from_target(target, [0, 1], keep_ids=keep)
-    draft.save_pretrained(tmp_path / "fd")
-    loaded = load_model(str(tmp_path / "fd"), dtype="float64", device="cpu")
-    assert isinstance(loaded, FeatureDraft) and torch.equal(loaded.draft_to_target, keep)
+    loaded = _reloaded_and_exact(target, FeatureDraft.from_target(target, [0, 1], keep_ids=keep), tmp_path / "fd", 4)
+    assert torch.equal(loaded.draft_to_target, keep)
     assert loaded.config.num_hidden_layers == 2 and loaded.lm_head.out_features == 40
-    for name, value in draft.state_dict().items():
-        assert torch.equal(value, loaded.state_dict()[name]), name
-    ids, mask = ragged_prompts(3, VOCAB, seed=2)
-    ref = target_generate(target, ids, mask, max_new_tokens=32)
-    out = speculative_generate(target, loaded, ids, mask, num_draft_tokens=4, max_new_tokens=32)
-    assert torch.equal(out.sequences, ref.sequences)
 
 
 def test_an_auxiliary_layer_draft_saves_loads_and_is_exact(target, aux_feature_draft, tmp_path):
-    aux_feature_draft.save_pretrained(tmp_path / "fd")
-    loaded = load_model(str(tmp_path / "fd"), dtype="float64", device="cpu")
+    loaded = _reloaded_and_exact(target, aux_feature_draft, tmp_path / "fd", 2)
     assert loaded.aux_layers == [0] and loaded.feature_width == 2 * target.config.hidden_size
-    for name, value in aux_feature_draft.state_dict().items():
-        assert torch.equal(value, loaded.state_dict()[name]), name
-    ids, mask = ragged_prompts(3, VOCAB, seed=4)
-    ref = target_generate(target, ids, mask, max_new_tokens=32)
-    out = speculative_generate(target, loaded, ids, mask, num_draft_tokens=2, max_new_tokens=32)
-    assert torch.equal(out.sequences, ref.sequences)
 
 
 def test_auxiliary_features_change_proposals_and_start_unused(target, aux_feature_draft):
