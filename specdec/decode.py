@@ -463,7 +463,7 @@ def speculative_generate(
     _check_inputs(target, input_ids, attention_mask, max_new_tokens, k + 1, draft, k)
     batch = _Batch(input_ids, attention_mask, max_new_tokens, k + 1, eos_token_id, _pad_id(pad_token_id, eos_token_id))
     stats = DecodeStats(num_draft_tokens=k, position_tried=[0] * k, position_accepted=[0] * k)
-    # A feature-conditioned draft reads the target's final hidden states: record them from its forwards.
+    # A feature-conditioned draft reads the target's hidden states: record them from its forwards.
     recorder = FeatureRecorder(target, draft.aux_layers) if getattr(draft, "is_feature_draft", False) else None
     try:
         return _speculate(target, draft, batch, k, sampling, generator, stats, _Clock(timing, input_ids.device),
@@ -479,8 +479,9 @@ def _speculate(target, draft, batch, k, sampling, generator, stats, clock, trace
     stats.target_forwards += 1
     features = None
     if recorder is not None:  # f for every position of the buffer, written as the target computes it
-        features = recorder.latest.new_zeros(*batch.seq.shape, recorder.latest.shape[-1])
-        features[:, : batch.prompt_length] = recorder.latest
+        prompt_features = recorder.latest  # concatenated on each read: read once
+        features = prompt_features.new_zeros(*batch.seq.shape, prompt_features.shape[-1])
+        features[:, : batch.prompt_length] = prompt_features
     clock.mark(batch.append(next_token(logits, sampling, generator)[:, None]))
     first_tokens = batch.live_appended.clone()  # tau counts tokens from rounds only
     vocab = target.get_output_embeddings().out_features

@@ -122,7 +122,7 @@ class FeatureCache:
         self.width = (1 + len(self.aux_layers)) * target.config.hidden_size
 
     def __call__(self, sample_ids: list[str], batch: dict) -> torch.Tensor:
-        """Features [B, W, H] (float32, on the batch's device) for the right-padded `batch`."""
+        """Features [B, S, width] (float32, on the batch's device) for the right-padded `batch`."""
         ids, mask = batch["input_ids"], batch["attention_mask"]
         # Keyed by the tokens too: two data folders may reuse a prompt id for different sequences.
         keys = [(sid, hash(tuple(ids[b, : int(mask[b].sum())].tolist()))) for b, sid in enumerate(sample_ids)]
@@ -139,17 +139,13 @@ class FeatureCache:
         return out
 
 
-def hidden_size(draft) -> int:
-    return getattr(draft, "module", draft).config.hidden_size
-
-
 def feature_loss(cfg, draft, head, batch: dict, features: torch.Tensor, target_head, id_map, inv_map) -> torch.Tensor:
     """Mean over unrolled blocks of the configured divergence (+ ce_weight x cross-entropy) at the scored
     positions, plus feature_regression_weight x smooth-L1 between predicted and true next features."""
     outs = unrolled(draft, batch["input_ids"], features, batch["attention_mask"], cfg.feature_steps)
     scored = batch["loss_mask"][:, 1:].bool()  # draft position t proposes the token target position t + 1 predicts
     position = torch.arange(scored.shape[1], device=scored.device)[None]
-    true_next = features[:, 1:, : hidden_size(draft)]  # the final feature: what the draft predicts
+    true_next = features[:, 1:, : outs[0].shape[-1]]  # the final feature (before any auxiliary ones): the draft's aim
     total = 0.0
     for block, hidden in enumerate(outs, start=1):
         mask = scored & (position >= block - 1)  # block j at t belongs to a round starting at t - (j - 1) >= 0

@@ -228,7 +228,8 @@ def _snippets(info: CardInfo, k: int) -> list[str]:
     if info.feature_draft:
         return ["## Usage", "",
                 "This is a feature-conditioned draft (EAGLE-style): besides the tokens it reads the target's final "
-                "hidden states (and those of the layers in `specdec_feature_aux_layers` of its config), which specdec's decoder passes to it. Only specdec runs it; transformers' "
+                "hidden states (and those of the layers in `specdec_feature_aux_layers` of its config), which "
+                "specdec's decoder passes to it. Only specdec runs it; transformers' "
                 "`assistant_model`, vLLM and SGLang load EAGLE drafts in their own formats, not this one.",
                 ""] + specdec_lines
     if info.head == "reduced":
