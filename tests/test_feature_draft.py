@@ -128,16 +128,17 @@ def test_auxiliary_features_change_proposals_and_start_unused(target, aux_featur
     """At init the auxiliary path is zero (the draft is the final-feature one); once live it moves proposals,
     and a draft-predicted feature (width H) reads zeros in its place."""
     ids = torch.tensor([[5, 17, 33, 8]])
-    width = aux_feature_draft.feature_width
-    features = torch.randn(1, 4, width, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    hidden = target.config.hidden_size
+    features = torch.randn(1, 4, aux_feature_draft.feature_width, dtype=torch.float64,
+                           generator=torch.Generator().manual_seed(0))
+    final_only = features[..., :hidden]
+    aux_zeroed = torch.cat([final_only, torch.zeros_like(features[..., hidden:])], dim=-1)
     fresh = FeatureDraft.from_target(target, [-1], aux_layers=[0])
     plain = FeatureDraft.from_target(target, [-1])
     with torch.no_grad():
-        torch.testing.assert_close(fresh(ids, features)[1], plain(ids, features[..., :32])[1])
-        live = aux_feature_draft(ids, features)[1]
-        assert not torch.allclose(live, aux_feature_draft(ids, features * torch.tensor([1.0, 0.0], dtype=features.dtype).repeat_interleave(32))[1])
-        torch.testing.assert_close(aux_feature_draft(ids, features[..., :32])[1],
-                                   aux_feature_draft(ids, torch.cat([features[..., :32], 0 * features[..., 32:]], -1))[1])
+        torch.testing.assert_close(fresh(ids, features)[1], plain(ids, final_only)[1])
+        assert not torch.allclose(aux_feature_draft(ids, features)[1], aux_feature_draft(ids, aux_zeroed)[1])
+        torch.testing.assert_close(aux_feature_draft(ids, final_only)[1], aux_feature_draft(ids, aux_zeroed)[1])
 
 
 def test_bad_layer_list_is_refused(target):

@@ -78,10 +78,10 @@ def test_recipe_smoke_runs_two_steps(path, tiny_world, tmp_path):
             "save_every": 1, "warmup_steps": 1}
     if cfg.draft in ("derived", "feature"):
         tiny["draft_layers"] = [0, -1]
-    if cfg.feature_aux_layers:  # the tiny target has 3 layers: keep as many auxiliary ones, within its range
-        tiny["feature_aux_layers"] = [i % 3 for i in range(len(cfg.feature_aux_layers))]
     elif cfg.draft != "scratch":
         tiny["draft"] = str(tiny_world / "small")
+    if cfg.feature_aux_layers:  # the tiny target has 3 layers: keep as many auxiliary ones, within its range
+        tiny["feature_aux_layers"] = [i % 3 for i in range(len(cfg.feature_aux_layers))]
     if cfg.draft_vocab_size:
         tiny["draft_vocab_size"] = 32
     if cfg.lora:
