@@ -190,11 +190,11 @@ def test_block_mask_gives_each_block_its_decode_time_view():
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
-@pytest.mark.parametrize("aux_layers", [[], [0]])
-def test_the_trainer_distils_a_feature_draft_end_to_end(tmp_path, aux_layers):
-    """draft=feature through the real loop: offline teacher, reduced head, unrolled steps, held-out tau from
-    the unrolled simulation, best/ and final/ that load as feature drafts and decode exactly; with and without
-    an auxiliary target layer."""
+@pytest.mark.parametrize("aux_layers, teacher", [([], "offline"), ([0], "online")])
+def test_the_trainer_distils_a_feature_draft_end_to_end(tmp_path, aux_layers, teacher):
+    """draft=feature through the real loop: reduced head, unrolled steps, held-out tau from the unrolled
+    simulation, best/ and final/ that load as feature drafts and decode exactly; offline without an auxiliary
+    target layer, online (the target's head on its features) with one."""
     import json
     import logging
 
@@ -205,7 +205,7 @@ def test_the_trainer_distils_a_feature_draft_end_to_end(tmp_path, aux_layers):
     ws = save_tiny_world(tmp_path / "ws", target_layers=2, small_seed=7, n_train=24, n_heldout=6)
     cfg = distill.TrainConfig(target=str(ws / "target"), train_data=str(ws / "data"), heldout_data=str(ws / "heldout"),
                               output_dir=str(tmp_path / "run"), device="cpu", draft="feature", draft_layers=[-1],
-                              teacher="offline", draft_vocab_size=40, feature_steps=2, max_steps=12,
+                              teacher=teacher, draft_vocab_size=40, feature_steps=2, max_steps=12,
                               per_device_batch_size=24, warmup_steps=0, log_every=1, eval_every=6, save_every=6,
                               eval_samples=6, eval_batch_size=3, learning_rate=3e-3, freeze_embeddings=True,
                               feature_aux_layers=aux_layers)
@@ -232,6 +232,19 @@ def test_the_trainer_distils_a_feature_draft_end_to_end(tmp_path, aux_layers):
     ids, mask = ragged_prompts(2, VOCAB, seed=5)
     ref = target_generate(target, ids, mask, max_new_tokens=16)
     assert torch.equal(speculative_generate(target, draft, ids, mask, 3, max_new_tokens=16).sequences, ref.sequences)
+
+
+def test_the_online_teachers_restricted_head_gives_the_restricted_full_logits():
+    from train import losses
+    from train.feature_train import teacher_head
+
+    head = torch.nn.Linear(16, VOCAB, bias=True)
+    keep = torch.tensor([0, 2, 5, 9, 64, 127])
+    x = torch.randn(7, 16, generator=torch.Generator().manual_seed(0))
+    restricted = teacher_head(head, keep)
+    assert restricted.out_features == len(keep) and not restricted.weight.requires_grad
+    assert torch.allclose(restricted(x), losses.restrict_teacher(head(x), keep), atol=1e-6)
+    assert teacher_head(head, None) is head  # a full-vocabulary draft reads the target's head as it is
 
 
 def test_feature_draft_config_errors():

@@ -44,7 +44,7 @@ def test_recipe_parses_and_train_section_loads(path):
 
 
 def test_embedded_recipes_use_the_shared_prompt_keywords():
-    for name in ("smollm2-135m.yaml", "smollm2-135m-quick.yaml"):
+    for name in ("smollm2-135m.yaml", "smollm2-135m-quick.yaml", "smollm2-135m-feature.yaml"):
         raw = yaml.safe_load((ROOT / "recipes" / name).read_text())
         assert raw["target"] == "embedded:smollm2-135m-instruct"
         assert raw["data"]["prompts"].split(",")[0] == "embedded:train"

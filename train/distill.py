@@ -627,7 +627,8 @@ def run(cfg: TrainConfig) -> Path:
     history_file = out / "eval.jsonl"
     if feature:
         head = accelerator.unwrap_model(model).get_output_embeddings()
-        target_head = target.get_output_embeddings() if cfg.teacher == "online" else None
+        target_head = feature_train.teacher_head(target.get_output_embeddings(), id_map) \
+            if cfg.teacher == "online" else None
         features_of = feature_train.FeatureCache(target, accelerator.autocast, cfg.feature_aux_layers)
 
     def eval_chunks():
@@ -689,7 +690,7 @@ def run(cfg: TrainConfig) -> Path:
                 if feature:
                     student = teacher = None
                     loss = feature_train.feature_loss(cfg, model, head, batch, features_of(micro_ids, batch),
-                                                      target_head, id_map, inv_map)
+                                                      target_head, inv_map)
                 else:
                     student = _forward(model, batch)
                     teacher = teacher_logits(target, batch, student_vocab, id_map, inv_map) if cfg.loss != "ce" else None
