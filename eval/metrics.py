@@ -97,13 +97,20 @@ def cdf(values: Sequence[float]) -> tuple[list[float], list[float]]:
     return data, [(i + 1) / n for i in range(n)]
 
 
-def memory_overhead_mb(baseline_peak_mb: float, speculative_peak_mb: float, draft_weights_mb: float) -> float:
-    """Memory that speculative decoding adds over target-only serving.
+def memory_overhead_mb(baseline_peaks_mb: Sequence[float], speculative_peaks_mb: Sequence[float],
+                       draft_weights_mb: float) -> float:
+    """Memory that speculative decoding adds over target-only serving, from the peaks of paired calls (the two
+    modes on the same prompts): the largest difference, plus the draft's weights.
 
-    Both modes run in one process with the draft loaded, so the baseline peak already holds the draft's weights;
-    target-only serving would not, hence they are added back.
+    Comparing the two modes' overall peaks instead would hide what speculation adds on short prompts whenever
+    a long prompt set the baseline's peak; the largest paired difference never reads lower. Both modes run in
+    one process with the draft loaded, so the baseline peak already holds the draft's weights; target-only
+    serving would not, hence they are added back.
     """
-    return max(0.0, speculative_peak_mb - baseline_peak_mb) + draft_weights_mb
+    if len(baseline_peaks_mb) != len(speculative_peaks_mb) or not baseline_peaks_mb:
+        raise ValueError("memory_overhead_mb needs one speculative peak per baseline peak, at least one pair")
+    largest = max(s - b for b, s in zip(baseline_peaks_mb, speculative_peaks_mb))
+    return max(0.0, largest) + draft_weights_mb
 
 
 def generated_lengths(rows: Sequence[Sequence[int]], eos_token_id: int | Sequence[int] | None) -> list[int]:

@@ -88,8 +88,11 @@ def to_markdown(r: dict) -> str:
         f"expected tokens per round from the per-position acceptance {r['expected_tokens_per_round']:.3f}.",
         "",
         *_choose_k_lines(r.get("choose_k")),
-        f"Memory: draft weights {r['memory']['draft_weights_mb']:.1f} MB, overhead over target-only "
-        f"{r['memory']['overhead_mb']:.1f} MB (peak difference plus the draft's weights).",
+        f"Memory: draft weights {r['memory']['draft_weights_mb']:.1f} MB"
+        + (f" (besides {r['memory']['shared_with_target_mb']:.1f} MB of input embeddings equal to the target's, "
+           "which it shares)" if r["memory"].get("shared_with_target_mb") else "")
+        + f", overhead over target-only {r['memory']['overhead_mb']:.1f} MB (the largest peak difference between "
+        "the two modes on the same prompts, plus the draft's weights).",
         "",
         f"Harness: {r['harness']['decoder_s']:.2f} s inside the decoders of {r['harness']['loop_s']:.2f} s of "
         f"measurement loop ({100 * r['harness']['overhead_fraction']:.1f}% outside the decoders, untimed).",

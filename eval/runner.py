@@ -190,8 +190,14 @@ class PeakMemory:
         return psutil.Process(os.getpid()).memory_info().rss / 2**20
 
 
-def _weights_mb(model) -> float:
-    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())) / 2**20
+def _weights_mb(model, shared_with=None) -> float:
+    """Memory of a model's parameters and buffers, leaving out tensors it shares with `shared_with`."""
+    def tensors(m):
+        return list(m.parameters()) + list(m.buffers())
+
+    skip = {t.untyped_storage().data_ptr() for t in tensors(shared_with)} if shared_with is not None else set()
+    return sum(t.numel() * t.element_size() for t in tensors(model)
+               if t.untyped_storage().data_ptr() not in skip) / 2**20
 
 
 def _median_step(model, ids: torch.Tensor, n_new: int, repeats: int) -> float:
@@ -417,7 +423,7 @@ def run(cfg: EvalConfig) -> dict:
 
 def _run(cfg: EvalConfig) -> dict:
     from specdec.compat import check_compatible
-    from specdec.models import load_model, load_tokenizer, resolve_device
+    from specdec.models import load_model, load_tokenizer, resolve_device, share_target_embeddings
     from specdec.prompts import encode_prompt, read_prompts
 
     out_dir = cfg.out_dir()
@@ -431,6 +437,9 @@ def _run(cfg: EvalConfig) -> dict:
     target = load_model(cfg.target, cfg.dtype, device)
     draft = load_model(cfg.draft, cfg.dtype, device)
     check_compatible(tokenizer, _draft_tokenizer(cfg.draft, tokenizer), target, draft)
+    shared_mb = share_target_embeddings(target, draft) / 2**20
+    if shared_mb:
+        log.info("the draft's input embeddings equal the target's: one copy serves both (%.1f MB saved)", shared_mb)
     encoded = [encode_prompt(tokenizer, first_turn(p.messages), cfg.use_chat_template) for p in prompts]
     if any(len(e) == 0 for e in encoded):
         raise ValueError("a prompt encodes to zero tokens; remove empty prompts from the file")
@@ -443,17 +452,18 @@ def _run(cfg: EvalConfig) -> dict:
         cfg = dataclasses.replace(cfg, num_draft_tokens=[chosen_k["chosen"]])
     calls, costs, timing = _measure(cfg, target, draft, encoded, eos, pad, device)
 
-    draft_mb = _weights_mb(draft)
+    # What serving the draft adds: tensors it shares with the target count once, in the target.
+    weights = {"draft_weights_mb": _weights_mb(draft, shared_with=target), "shared_with_target_mb": shared_mb}
     rows = []
     for b in cfg.batch_size:
         base = [c for c in calls if c.batch_size == b and c.mode == "baseline"]
         for k in cfg.num_draft_tokens:
             spec = [c for c in calls if c.batch_size == b and c.k == k]
-            rows.append(_config_row(cfg, prompts, base, spec, k, b, costs[b], draft_mb))
+            rows.append(_config_row(cfg, prompts, base, spec, k, b, costs[b], weights))
     best = _recommend(rows, cfg.recommend_by)
 
-    eq = _judge(cfg, rows, best, target, draft, encoded[0], draft_mb)
-    result = _assemble(cfg, prompts, rows, best, eq, costs, device, timing, draft_mb)
+    eq = _judge(cfg, rows, best, target, draft, encoded[0])
+    result = _assemble(cfg, prompts, rows, best, eq, costs, device, timing)
     if chosen_k is not None:
         result["choose_k"] = chosen_k
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -505,7 +515,7 @@ def _measure(cfg: EvalConfig, target, draft, encoded: list[list[int]], eos, pad,
     return calls, costs, {"loop_s": loop_seconds, "decoder_s": decoder_seconds}
 
 
-def _judge(cfg: EvalConfig, rows: list[dict], best: dict, target, draft, first_prompt: list[int], draft_mb: float) -> dict:
+def _judge(cfg: EvalConfig, rows: list[dict], best: dict, target, draft, first_prompt: list[int]) -> dict:
     """Fill each row's equivalence and decision; returns the report's top-level equivalence entry."""
     eq = best["equivalence"]
     if cfg.sampling().greedy:
@@ -527,7 +537,8 @@ def _judge(cfg: EvalConfig, rows: list[dict], best: dict, target, draft, first_p
     for row in rows:
         row["decision"] = decision_mod.decide(
             row["speculative"]["acceptance_rate"], row["speedup"], row["equivalence"]["passed"],
-            row["memory"]["overhead_mb"], draft_mb, cfg.thresholds(), row["speculative"]["fallback"])
+            row["memory"]["overhead_mb"], row["memory"]["draft_weights_mb"], cfg.thresholds(),
+            row["speculative"]["fallback"])
 
     return eq
 
@@ -539,13 +550,16 @@ def _decode(target, draft, k, ids, mask, sampling, cfg, eos, pad, gen):
     return speculative_generate(target, draft, ids, mask, k, sampling, cfg.max_new_tokens, eos, gen, pad, timing=True)
 
 
-def _config_row(cfg, prompts, base: list[Call], spec: list[Call], k: int, b: int, cost: dict, draft_mb: float) -> dict:
+def _config_row(cfg, prompts, base: list[Call], spec: list[Call], k: int, b: int, cost: dict, weights: dict) -> dict:
     """Every figure of one (k, batch size) configuration."""
     bm, sm = _mode_metrics(base), _mode_metrics(spec)
     st = _spec_stats(spec, k)
     sm.update(st)
     by_row_base = {r: t for c in base for r, t in zip(c.rows, c.tokens)}
     by_row_spec = {r: t for c in spec for r, t in zip(c.rows, c.tokens)}
+    # Peak memory per batch of prompts, to pair each speculative call with the baseline call on the same batch.
+    by_group_base, by_group_spec = ({tuple(c.rows): c.peak_mb for c in calls} for calls in (base, spec))
+    groups = sorted(by_group_base)
     order = sorted(by_row_base)
     eq = equivalence.greedy_equivalence([prompts[i].prompt_id for i in order], [by_row_base[i] for i in order],
                                         [by_row_spec[i] for i in order])
@@ -557,8 +571,8 @@ def _config_row(cfg, prompts, base: list[Call], spec: list[Call], k: int, b: int
         "analytical_speedup": metrics.analytical_speedup(st["per_position_acceptance"], cost["c"], v),
         "expected_tokens_per_round": metrics.expected_tokens_per_round(st["per_position_acceptance"]),
         "cost": {"c": cost["c"], "v": v},
-        "memory": {"draft_weights_mb": draft_mb,
-                   "overhead_mb": metrics.memory_overhead_mb(bm["peak_memory_mb"], sm["peak_memory_mb"], draft_mb)},
+        "memory": {**weights, "overhead_mb": metrics.memory_overhead_mb(
+            [by_group_base[g] for g in groups], [by_group_spec[g] for g in groups], weights["draft_weights_mb"])},
         "equivalence": eq,
         "categories": _categories(prompts, base, spec, k),
         "samples": [(prompts[i].prompt_id, prompts[i].category, by_row_base[i], by_row_spec[i]) for i in order],
@@ -581,7 +595,7 @@ def _public(mode: dict) -> dict:
         {"fallback": mode["fallback"]} if "fallback" in mode else {})
 
 
-def _assemble(cfg, prompts, rows, best, eq, costs, device, timing, draft_mb) -> dict:
+def _assemble(cfg, prompts, rows, best, eq, costs, device, timing) -> dict:
     config = {
         "target": cfg.target, "draft": cfg.draft, "num_draft_tokens": best["num_draft_tokens"],
         "temperature": cfg.temperature, "top_k": cfg.top_k, "top_p": cfg.top_p,

@@ -7,12 +7,20 @@ Stages: target-generated data from the shipped prompt set -> a draft derived fro
 it -> evaluation against the target alone on the held-out prompts -> a published checkpoint with its model
 card. Everything lands in `output_dir` (default outputs/demo/); each stage resumes or is skipped when its output
 is complete, so an interrupted demo continues where it stopped when run again.
+
+The demo keeps to a time budget (`minutes`: 45, or 5 with --quick) on any machine, as far as its work allows:
+data generation starts no new shard past `data_share` of it, and training gets what is left after an estimate
+of the evaluation (its decode work at the target's step time, measured first), stopping early with its
+schedule fitted (train/budget.py) where the recipe's steps would not fit. A slower machine gets a draft trained
+on fewer examples and steps; the summary says what each stage took.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +42,16 @@ class DemoConfig:
     eval_prompts: str = "embedded:heldout"
     eval_num_prompts: int | None = None  # default: 8 with --quick, else 24
     fresh: bool = False  # ignore completed stages and redo everything
+    minutes: float = 0.0  # time budget of the whole demo; 0 = 45, or 5 with --quick
+    data_share: float = 0.5  # data generation starts no new shard past this share of the budget
+
+    def __post_init__(self) -> None:
+        if self.minutes < 0 or not 0.0 < self.data_share <= 1.0:
+            raise ValueError(f"minutes must be >= 0 (0 = the default budget) and data_share in (0, 1], got "
+                             f"{self.minutes} and {self.data_share}")
+
+    def budget_minutes(self) -> float:
+        return self.minutes or (5.0 if self.quick else 45.0)
 
     def recipe_path(self) -> Path:
         if self.recipe:
@@ -62,14 +80,20 @@ def run(cfg: DemoConfig) -> dict:
     out = Path(cfg.output_dir)
     data_dir, train_dir, eval_dir, draft_dir = out / "data", out / "train", out / "eval", out / "draft"
     timings: dict[str, float] = {}
+    demo_start, budget = time.perf_counter(), cfg.budget_minutes()
 
     start = _stage("target-generated data", 1)
     data_cfg = load_config(DataConfig, recipe, [f"output_dir={data_dir}", f"overwrite={cfg.fresh}"], section="data")
+    data_cfg.max_minutes = min(data_cfg.max_minutes or math.inf, cfg.data_share * budget)
     manifest = read_manifest(data_dir) if (data_dir / "manifest.json").is_file() else {}
     if manifest.get("complete") and not cfg.fresh:
         print(f"data already complete in {data_dir}")
     else:
-        run_data(data_cfg)
+        manifest = run_data(data_cfg)
+        if not manifest["complete"]:
+            print(f"data: its {data_cfg.max_minutes:.1f} min of the budget gave {len(manifest['shards'])} of "
+                  f"{manifest['num_shards']} shards ({manifest['counts']['examples']} examples); training uses "
+                  "those (run the demo again to generate the rest)")
     timings["data_s"] = time.perf_counter() - start
 
     start = _stage("distil the draft", 2)
@@ -81,21 +105,27 @@ def run(cfg: DemoConfig) -> dict:
         section="train",
     )
     final = train_dir / "final"
+    eval_cfg = load_config(
+        EvalConfig, recipe,
+        [f"draft={final}", f"out={eval_dir}", f"prompts={cfg.eval_prompts}",
+         f"num_prompts={cfg.eval_num_prompts or (8 if cfg.quick else 24)}"],
+        section="eval",
+    )
     if (final / "config.json").is_file() and not cfg.fresh:
         print(f"draft already trained: {final}")
     else:
+        eval_minutes = estimate_eval_minutes(eval_cfg)
+        spent = (time.perf_counter() - demo_start) / 60
+        train_cfg.max_minutes = train_minutes(budget, spent, eval_minutes, train_cfg.max_minutes)
+        print(f"training budget {train_cfg.max_minutes:.1f} min (demo budget {budget:.0f} min, {spent:.1f} spent, "
+              f"evaluation estimated at {eval_minutes:.1f})", flush=True)
         final = run_train(train_cfg)
     best = train_dir / "best"
     draft = best if (best / "config.json").is_file() else final
     timings["train_s"] = time.perf_counter() - start
 
     start = _stage("evaluate against the target alone", 3)
-    eval_cfg = load_config(
-        EvalConfig, recipe,
-        [f"draft={draft}", f"out={eval_dir}", f"prompts={cfg.eval_prompts}", f"num_prompts={cfg.eval_num_prompts or (8 if cfg.quick else 24)}"],
-        section="eval",
-    )
-    report = run_eval(eval_cfg)
+    report = run_eval(dataclasses.replace(eval_cfg, draft=str(draft)))
     timings["eval_s"] = time.perf_counter() - start
 
     start = _stage("publish", 4)
@@ -109,6 +139,35 @@ def run(cfg: DemoConfig) -> dict:
     (out / "demo_summary.json").write_text(json.dumps({"report": report, "timings": timings}, indent=2, default=str))
     _print_summary(report, eval_dir, draft_dir, timings)
     return report
+
+
+def train_minutes(budget: float, spent: float, eval_minutes: float, recipe_cap: float | None) -> float:
+    """Training's share of the demo budget: what is left after the stages so far and the evaluation's estimate,
+    within the recipe's own max_minutes, and at least one minute (a draft needs some training)."""
+    return max(1.0, min(recipe_cap or math.inf, budget - spent - eval_minutes))
+
+
+def estimate_eval_minutes(eval_cfg) -> float:
+    """The evaluation stage's expected minutes: a target-only decode of every prompt at the target's step time
+    (measured now: 16 cached steps after a 64-token prompt) for the baseline and for each k it times, plus half
+    that again for the rest (cost calibration, choose_k, warm-up, the equivalence check)."""
+    import torch
+
+    from specdec.decode import target_generate
+    from specdec.models import load_model, resolve_device
+
+    target = load_model(eval_cfg.target, eval_cfg.dtype, resolve_device(eval_cfg.device))
+    ids = torch.randint(100, 1000, (1, 64), generator=torch.Generator().manual_seed(0)).to(target.device)
+    target_generate(target, ids, max_new_tokens=4)  # warm-up
+    seconds = []
+    for new_tokens in (1, 17):  # the prefill alone, then with 16 steps
+        started = time.perf_counter()
+        target_generate(target, ids, max_new_tokens=new_tokens)
+        seconds.append(time.perf_counter() - started)
+    step_s = max(seconds[1] - seconds[0], 0.0) / 16
+    timed_ks = 1 if eval_cfg.choose_k else len(eval_cfg.num_draft_tokens)
+    prompts = eval_cfg.num_prompts or 24
+    return prompts * eval_cfg.max_new_tokens * step_s * (1 + timed_ks + 0.5) / 60
 
 
 def _print_summary(report: dict, eval_dir: Path, draft_dir: Path, timings: dict[str, float]) -> None:

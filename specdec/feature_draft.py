@@ -138,7 +138,7 @@ class FeatureDraft(nn.Module):
 
     @classmethod
     def from_target(cls, target: nn.Module, init_layers: list[int], keep_ids: torch.Tensor | None = None,
-                    aux_layers: list[int] | tuple[int, ...] = ()) -> "FeatureDraft":
+                    aux_layers: list[int] | tuple[int, ...] = ()) -> FeatureDraft:
         """A draft of len(init_layers) layers copied from the target's, with its embeddings, final norm and head
         rows, reading the outputs of target layers `aux_layers` as well as the final feature."""
         config = copy.deepcopy(target.config.get_text_config() if hasattr(target.config, "get_text_config")
@@ -195,7 +195,7 @@ class FeatureDraft(nn.Module):
         vocab.save_vocab_map(self, out)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> "FeatureDraft":
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> FeatureDraft:
         from safetensors.torch import load_file
         from transformers import AutoConfig
 
@@ -233,7 +233,7 @@ class FeatureRecorder:
         for handle in self._handles:
             handle.remove()
 
-    def __enter__(self) -> "FeatureRecorder":
+    def __enter__(self) -> FeatureRecorder:
         return self
 
     def __exit__(self, *_exc) -> None:

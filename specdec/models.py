@@ -51,16 +51,35 @@ def resolve_device(name: str | None = "auto") -> torch.device:
     return device
 
 
+BF16_IF_NATIVE = "bf16-if-native"
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 dot products natively (AVX512-BF16 or AMX). Elsewhere torch emulates
+    bf16: a batch-64 SmolLM2-135M prefill took 39.0 s in bf16 against 7.9 s in float32 on a 2-core AVX2 EPYC."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def resolve_dtype(name: str | torch.dtype | None, device: torch.device | None = None) -> torch.dtype:
-    """'auto' is bfloat16 on CUDA and float32 on CPU (CPU half-precision GEMMs are slow)."""
+    """'auto' is bfloat16 on CUDA and float32 on CPU (exactness on a CPU needs float32, see the README).
+    'bf16-if-native' is bfloat16 where the device computes it natively (CUDA with bf16, CPUs with AVX512-BF16 or
+    AMX) and float32 elsewhere: for work that tolerates bf16, such as generating training data."""
     if isinstance(name, torch.dtype):
         return name
     if name in (None, "", "auto"):
         return torch.bfloat16 if device is not None and device.type == "cuda" else torch.float32
+    if name == BF16_IF_NATIVE:
+        if device is not None and device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     table = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
              "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float64": torch.float64}
     if name not in table:
-        raise ValueError(f"unknown dtype {name!r}; use one of {', '.join(sorted(table))} or auto")
+        raise ValueError(f"unknown dtype {name!r}; use one of {', '.join(sorted(table))}, auto or {BF16_IF_NATIVE}")
     return table[name]
 
 
@@ -171,6 +190,27 @@ def load_model(name_or_path: str, dtype: str | torch.dtype | None = "auto", devi
             f"from this machine, or {EMBEDDED_TARGET} for the embedded default."
         ) from err
     return model.to(device).eval()
+
+
+def share_target_embeddings(target: torch.nn.Module, draft: torch.nn.Module) -> int:
+    """Point the draft's input embeddings at the target's when they hold the same values; returns the bytes saved.
+
+    A draft trained with `freeze_embeddings` keeps the target's table exactly, and for a small draft it is most
+    of the draft (SmolLM2: 49,152 x 576, 108 MB in float32). Serving both needs one copy. The values do not
+    change, so neither does decoding. A draft head tied to those embeddings follows them. For inference: the
+    two models then share a tensor, so do not train either afterwards."""
+    mine, theirs = draft.get_input_embeddings(), target.get_input_embeddings()
+    if mine is None or theirs is None:
+        return 0
+    old, new = mine.weight, theirs.weight
+    if (old is new or old.shape != new.shape or old.dtype != new.dtype or old.device != new.device
+            or not torch.equal(old, new)):
+        return 0
+    mine.weight = new
+    head = draft.get_output_embeddings()
+    if head is not None and head.weight is old:
+        head.weight = new
+    return old.numel() * old.element_size()
 
 
 def load_tokenizer(name_or_path: str):

@@ -72,6 +72,8 @@ def test_config_validation():
         DataConfig(temperature=-1)
     with pytest.raises(ValueError, match="shard_size"):
         DataConfig(shard_size=0)
+    with pytest.raises(ValueError, match="unknown dtype"):
+        DataConfig(dtype="bf15")
 
 
 def test_conversation_split():
@@ -169,6 +171,21 @@ def test_resume_after_lost_manifest_entry(tiny_target, tmp_path):
     again = run(cfg)
     assert again["complete"] and _rows(out) == before
     assert not list((out / "shards").glob(".*"))
+
+
+def test_max_minutes_stops_between_shards_and_a_rerun_finishes(tiny_target, tmp_path, monkeypatch):
+    prompts = _write_prompts(tmp_path / "p.jsonl")
+    run(_cfg(tiny_target, prompts, tmp_path / "whole"))
+    out = tmp_path / "out"
+    # Each shard takes over a second (the pause): after the first, another would end past 1.5 s.
+    monkeypatch.setenv(gen._PAUSE_ENV, "1.0")
+    first = run(_cfg(tiny_target, prompts, out, max_minutes=1.5 / 60))
+    assert not first["complete"] and len(first["shards"]) == 1 < first["num_shards"]
+    assert load_generated(out).num_rows == first["shards"][0]["examples"]
+    assert len(run(_cfg(tiny_target, prompts, out, max_minutes=1e-6))["shards"]) == 2  # a run always adds one
+    monkeypatch.delenv(gen._PAUSE_ENV)
+    again = run(_cfg(tiny_target, prompts, out))  # max_minutes may change between runs
+    assert again["complete"] and _rows(out) == _rows(tmp_path / "whole")
 
 
 def test_killed_subprocess_resumes_exactly_once(tiny_target, tmp_path):

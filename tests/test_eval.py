@@ -171,7 +171,9 @@ def test_eval_on_the_embedded_target_with_a_derived_draft(tmp_path):
                  "cost_repeats=2", "--out", str(tmp_path / "out")]) == 0
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["equivalence"]["passed"] and report["equivalence"]["checked"] == 2
-    assert report["memory"]["draft_weights_mb"] > 50  # embeddings + 2 layers + head of a 49k vocabulary
+    # Its embeddings (and the head tied to them) are the target's: 49,152 x 576 floats, shared, counted once.
+    assert report["memory"]["shared_with_target_mb"] == pytest.approx(49152 * 576 * 4 / 2**20)
+    assert 25 < report["memory"]["draft_weights_mb"] < 30  # its own: 2 layers of 3.54M parameters, a norm
 
 
 def test_eval_report_to_wandb(tiny_checkpoints, tmp_path, capsys, monkeypatch):

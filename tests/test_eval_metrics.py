@@ -60,8 +60,16 @@ def test_generated_lengths_and_first_mismatch():
 
 
 def test_memory_overhead_adds_the_draft_weights_back():
-    assert metrics.memory_overhead_mb(1000.0, 1030.0, 50.0) == 80.0
-    assert metrics.memory_overhead_mb(1000.0, 990.0, 50.0) == 50.0
+    assert metrics.memory_overhead_mb([1000.0], [1030.0], 50.0) == 80.0
+    assert metrics.memory_overhead_mb([1000.0], [990.0], 50.0) == 50.0
+
+
+def test_memory_overhead_pairs_the_calls_on_the_same_prompts():
+    # A long prompt sets both modes' peaks (1030, 1032); on a short one speculation adds 20 MB, which a
+    # comparison of the overall peaks (1032 - 1030) would hide.
+    assert metrics.memory_overhead_mb([1030.0, 1000.0], [1032.0, 1020.0], 10.0) == 30.0
+    with pytest.raises(ValueError, match="one speculative peak per baseline peak"):
+        metrics.memory_overhead_mb([1000.0], [], 10.0)
 
 
 def test_cdf():

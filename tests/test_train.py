@@ -145,6 +145,25 @@ def test_online_derived_run_writes_final_best_and_checkpoints(workspace, tmp_pat
     assert steps == [1, 2, 3]
 
 
+def test_max_minutes_stops_early_with_the_schedule_ending_there(workspace, tmp_path, monkeypatch):
+    """A clock that advances one second a reading: the budget binds long before max_steps, and the learning
+    rate reaches zero at the step training stopped (the schedule was re-aimed, not cut)."""
+    import functools
+
+    from train.budget import TimeBudget
+
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(distill, "TimeBudget", functools.partial(TimeBudget, clock=lambda: float(next(ticks))))
+    cfg = _cfg(workspace, tmp_path / "run", max_steps=200, max_minutes=0.5, eval_every=0, save_every=0)
+    distill.run(cfg)
+    summary = json.loads((tmp_path / "run" / "train_summary.json").read_text())
+    assert summary["stopped_by"] == "max_minutes" and 1 <= summary["steps"] < 200
+    assert summary["train_minutes"] < 0.6  # 30 ticks, plus the few readings of the final evaluation and save
+    checkpoint = tmp_path / "run" / "checkpoints" / f"step-{summary['steps']}"
+    scheduler = torch.load(checkpoint / "custom_checkpoint_0.pkl", weights_only=False)  # registered for checkpointing
+    assert scheduler["lr_lambdas"][0]["end"] == summary["steps"] and scheduler["_last_lr"] == [0.0]
+
+
 def test_offline_topn_reduced_vocab_jsd(workspace, tmp_path):
     cfg = _cfg(workspace, tmp_path / "run", teacher="offline", loss="jsd", beta=0.5, draft_vocab_size=40,
                grad_accum_steps=2, save_every=0, eval_every=0)

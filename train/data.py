@@ -50,7 +50,7 @@ SHARD_DIR = "shards"
 EMBEDDED_PROMPT_SETS = ("embedded:train", "embedded:heldout")
 _LOCAL_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 # Settings that do not change what is generated; a resumed run may change them.
-_RESUMABLE_KEYS = ("batch_size", "device", "output_dir", "overwrite")
+_RESUMABLE_KEYS = ("batch_size", "device", "output_dir", "overwrite", "max_minutes")
 # A knob for the interruption test only: seconds to sleep after each shard is recorded.
 _PAUSE_ENV = "_SPECDEC_DATA_SHARD_PAUSE"
 _VLLM_MISSING = "backend=vllm needs the vllm package: pip install specdec[vllm] (or use backend=transformers)"
@@ -88,6 +88,9 @@ class DataConfig:
     self_prompt_top_p: float = 1.0
     self_prompt_max_tokens: int = 64
     overwrite: bool = False  # replace an existing output_dir made with different settings
+    # Start no shard that would end past this many minutes of this run (self-written prompts included) at the
+    # last shard's pace, one at least: the folder is left incomplete, usable, and a rerun continues it.
+    max_minutes: float | None = None
 
     def __post_init__(self) -> None:
         choices = {"spec_bench_turns": ("first", "all"), "too_long": ("skip", "error"),
@@ -101,6 +104,8 @@ class DataConfig:
                 raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
         if self.top_logprobs < 0:
             raise ValueError(f"top_logprobs must be >= 0 (0 = off), got {self.top_logprobs}")
+        if self.max_minutes is not None and self.max_minutes <= 0:
+            raise ValueError(f"max_minutes must be > 0 (or unset for no time limit), got {self.max_minutes}")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit must be >= 1 (or unset for all prompts), got {self.limit}")
         if self.column_map is not None and not isinstance(self.column_map, dict):
@@ -109,6 +114,9 @@ class DataConfig:
             raise ValueError("prompts is empty: give a .jsonl/.json/.parquet/.csv file, a Hub dataset name or "
                              "embedded:train")
         self.sampling()  # validates temperature / top_k / top_p
+        from specdec.models import resolve_dtype
+
+        resolve_dtype(self.dtype)  # raises with the valid names, before any model is loaded
 
     def sampling(self):
         """The decoder's SamplingConfig for these settings."""
@@ -296,6 +304,7 @@ class TransformersBackend:
         self.cfg, self.sampling = cfg, cfg.sampling()
         self.model = load_model(cfg.target, dtype=cfg.dtype, device=device if device is not None else cfg.device)
         self.device = next(self.model.parameters()).device
+        log.info("target %s in %s on %s", cfg.target, self.model.dtype, self.device)
         self.eos = eos_ids(self.model, tokenizer)
         pad = tokenizer.pad_token_id
         self.pad = int(pad if pad is not None else (self.eos[0] if self.eos else 0))
@@ -348,11 +357,14 @@ class VLLMBackend:
             import vllm
         except ImportError as err:
             raise ValueError(_VLLM_MISSING) from err
+        import torch
+
         from specdec.models import resolve_dtype, resolve_path
 
         self.vllm, self.cfg = vllm, cfg
         # vLLM spells dtypes as torch does ("bfloat16", "float32"); ours also accepts bf16/fp32 aliases.
-        dtype = "auto" if cfg.dtype in ("auto", "", None) else str(resolve_dtype(cfg.dtype)).removeprefix("torch.")
+        dtype = ("auto" if cfg.dtype in ("auto", "", None)
+                 else str(resolve_dtype(cfg.dtype, torch.device("cuda"))).removeprefix("torch."))
         self.llm = vllm.LLM(model=resolve_path(cfg.target), dtype=dtype, seed=cfg.seed)
 
     def generator(self, seed: int) -> int:
@@ -636,6 +648,7 @@ def run(cfg: DataConfig) -> dict:
     """Generate (or finish generating) the dataset; returns the manifest."""
     from specdec.models import load_tokenizer
 
+    deadline = time.perf_counter() + cfg.max_minutes * 60 if cfg.max_minutes else math.inf
     procs = _processes(cfg)
     if cfg.backend == "vllm" and not _importable("vllm"):
         raise ValueError(_VLLM_MISSING)  # before minutes of prompt loading, not after
@@ -685,8 +698,17 @@ def run(cfg: DataConfig) -> dict:
         progress = _Progress(sum(turns_of(s) for s in mine), sum(turns_of(s) for s in mine if s in done),
                              enabled=procs.index == 0)
         pause = float(os.environ.get(_PAUSE_ENV, "0") or 0)
+        last_shard_s = 0.0
         try:
             for s in todo:
+                # No shard that would end past max_minutes at the last one's pace; but a run always adds one,
+                # so that a budget spent on loading still makes progress.
+                if s != todo[0] and time.perf_counter() + last_shard_s > deadline:
+                    log.warning("max_minutes=%s: stopping before shard %d (%d of this process's %d shards done); "
+                                "rerun the same command to continue", cfg.max_minutes, s,
+                                len(mine) - len(todo) + todo.index(s), len(mine))
+                    break
+                shard_started = time.perf_counter()
                 shard_items = items[s * cfg.shard_size: (s + 1) * cfg.shard_size]
                 started = time.perf_counter()
                 rows, counts = generate_shard(shard_items, backend, tokenizer, cfg, seed=cfg.seed * 1_000_003 + s,
@@ -698,6 +720,7 @@ def run(cfg: DataConfig) -> dict:
                 log.info("process %d/%d wrote %s (%d examples)", procs.index, procs.count, name, counts["examples"])
                 if pause:
                     time.sleep(pause)
+                last_shard_s = time.perf_counter() - shard_started
         finally:
             progress.close()
     procs.barrier()

@@ -23,6 +23,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import random
 import shutil
@@ -34,9 +35,9 @@ from typing import Any
 import torch
 
 from specdec.config import config_from_cli, to_dict
-from specdec.models import EMBEDDED_TARGET
-from train import losses
-from train import feature_train
+from specdec.models import EMBEDDED_TARGET, cpu_has_native_bf16
+from train import feature_train, losses
+from train.budget import CosineToEnd, TimeBudget
 from train.draft import DEFAULT_LORA_MODULES, DERIVED, FEATURE, SCRATCH
 from train.simulate import simulated_tau
 
@@ -98,6 +99,9 @@ class TrainConfig:
     weight_decay: float = 0.0
     warmup_steps: int = 20
     max_steps: int = 500
+    # Stop by this much wall time (minutes, summed over resumes; the final evaluation comes after), with the
+    # cosine schedule re-aimed at the step the measured pace reaches (train/budget.py). None = max_steps only.
+    max_minutes: float | None = None
     per_device_batch_size: int = 8
     grad_accum_steps: int = 1
     max_grad_norm: float = 1.0
@@ -135,6 +139,8 @@ class TrainConfig:
                      "log_every", "keep_checkpoints", "on_policy_max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_minutes is not None and self.max_minutes <= 0:
+            raise ValueError(f"max_minutes must be > 0 (or unset for no time limit), got {self.max_minutes}")
         if self.warmup_steps < 0 or self.eval_every < 0 or self.save_every < 0 or self.draft_vocab_size < 0:
             raise ValueError("warmup_steps, eval_every, save_every and draft_vocab_size must be >= 0")
         if not self.eval_k or min(self.eval_k) < 1 or self.best_k not in self.eval_k:
@@ -512,15 +518,7 @@ def _mixed_precision(cfg: TrainConfig) -> str:
         return "bf16" if torch.cuda.is_bf16_supported() else "no"
     # CPUs with native bf16 dot products (AVX512-BF16, AMX) train about 1.7x faster under bf16 autocast
     # (measured on a 2-core Zen 4); elsewhere bf16 is emulated and slower than float32.
-    return "bf16" if _cpu_has_native_bf16() else "no"
-
-
-def _cpu_has_native_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return "bf16" if cpu_has_native_bf16() else "no"
 
 
 def _wandb_run(cfg: TrainConfig):
@@ -537,13 +535,13 @@ def run(cfg: TrainConfig) -> Path:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
-    from transformers import get_cosine_schedule_with_warmup
 
     from specdec.compat import check_compatible
     from specdec.feature_draft import FeatureDraft
     from specdec.models import load_model, load_tokenizer
     from train import draft as draft_lib
 
+    budget = TimeBudget(cfg.max_minutes or math.inf, cfg.max_steps)  # counts from here: loading is training time
     accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum_steps,
                               mixed_precision=_mixed_precision(cfg), cpu=cfg.device == "cpu")
     main_proc, rank, world, device = (accelerator.is_main_process, accelerator.process_index,
@@ -601,7 +599,7 @@ def run(cfg: TrainConfig) -> Path:
     # 2. optimiser, schedule, accelerate
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.warmup_steps, cfg.max_steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, CosineToEnd(cfg.warmup_steps, cfg.max_steps))
     model, optimizer = accelerator.prepare(model, optimizer)
     # Not prepared: accelerate would step it once per process; it is stepped once per optimizer step below.
     accelerator.register_for_checkpointing(scheduler)
@@ -616,7 +614,12 @@ def run(cfg: TrainConfig) -> Path:
         accelerator.load_state(str(ckpt))
         state = json.loads((ckpt / "trainer_state.json").read_text())
         start_step, best = state["step"], state["best"]
+        budget.before = state.get("train_seconds", 0.0)
         log.info("resumed from %s at step %d", ckpt, start_step)
+    schedule_end = scheduler.lr_lambdas[0]
+    # Under a time budget the end reached so far came back with the checkpoint; otherwise max_steps sets it (and
+    # a resume with a larger max_steps trains on).
+    schedule_end.end = min(schedule_end.end, cfg.max_steps) if cfg.max_minutes else cfg.max_steps
 
     lengths = [min(len(x), cfg.max_length) for x in train_ds["input_ids"]]
     schedule = Schedule(lengths, cfg.per_device_batch_size * world, cfg.seed, cfg.bucket_by_length)
@@ -641,6 +644,7 @@ def run(cfg: TrainConfig) -> Path:
     def do_eval(step: int) -> None:
         if not heldout:
             return
+        started = time.perf_counter()
         if feature:
             model.eval()
             metrics = feature_train.evaluate_feature_draft(model, head, features_of, eval_chunks(), cfg.eval_k, id_map)
@@ -662,16 +666,23 @@ def run(cfg: TrainConfig) -> Path:
             export_draft(accelerator, model, tokenizer, out / "best")
             if main_proc:
                 (out / "best" / "specdec_best.json").write_text(json.dumps({"step": step, **metrics}, indent=1))
+        budget.note_eval(time.perf_counter() - started)
+
+    def trainer_state(step: int) -> dict:
+        return {"step": step, "best": _jsonable(best), "train_seconds": budget.spent()}
 
     if start_step == 0:
         do_eval(0)
 
     # 3. the loop
-    bar = tqdm(total=cfg.max_steps, initial=start_step, disable=not main_proc, desc="train", dynamic_ncols=True)
+    end = schedule_end.end
+    bar = tqdm(total=end, initial=start_step, disable=not main_proc, desc="train", dynamic_ncols=True)
     loss_sum = torch.zeros((), device=device)
     tokens, window_start, window_steps = 0, time.perf_counter(), 0
     step = start_step
-    for step in range(start_step + 1, cfg.max_steps + 1):
+    budget.start_loop(start_step)
+    while step < end:
+        step += 1
         step_ids: list[str] = []
         for micro in range(cfg.grad_accum_steps):
             m = (step - 1) * cfg.grad_accum_steps + micro
@@ -709,8 +720,15 @@ def run(cfg: TrainConfig) -> Path:
         if consumed is not None:
             consumed.write(step, step_ids)
 
-        if step % cfg.log_every == 0 or step == cfg.max_steps:
-            mean_loss = accelerator.reduce(loss_sum, reduction="mean").item() / window_steps  # the only sync
+        if step % cfg.log_every == 0 or step == end:
+            mean_loss = accelerator.reduce(loss_sum, reduction="mean").item() / window_steps  # a sync
+            if cfg.max_minutes:  # every process stops at the earliest end any of them computes
+                wanted = torch.tensor([budget.end_step(step)], device=device)
+                aimed = int(accelerator.gather(wanted).min())
+                if aimed != end:
+                    end = schedule_end.end = aimed
+                    bar.total = end
+                    bar.refresh()
             elapsed = time.perf_counter() - window_start
             lr = scheduler.get_last_lr()[0]
             tok_s = tokens * world / max(elapsed, 1e-9)
@@ -721,20 +739,25 @@ def run(cfg: TrainConfig) -> Path:
                     tracker.log({"train/loss": mean_loss, "train/lr": lr, "train/tokens_per_s": tok_s}, step=step)
             loss_sum.zero_()
             tokens, window_start, window_steps = 0, time.perf_counter(), 0
-        if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.max_steps:
+        if cfg.eval_every and step % cfg.eval_every == 0 and step != end:
             do_eval(step)
-        if cfg.save_every and step % cfg.save_every == 0 and step != cfg.max_steps:
-            save_checkpoint(accelerator, ckpt_root, step, {"step": step, "best": _jsonable(best)}, cfg.keep_checkpoints)
+        if cfg.save_every and step % cfg.save_every == 0 and step != end:
+            save_checkpoint(accelerator, ckpt_root, step, trainer_state(step), cfg.keep_checkpoints)
     bar.close()
+    if end < cfg.max_steps:
+        log.info("stopped at step %d of %d: max_minutes=%s reached (%.1f min)", step, cfg.max_steps,
+                 cfg.max_minutes, budget.spent() / 60)
 
     # 4. last evaluation, checkpoint and the final draft
-    if step > start_step or start_step == cfg.max_steps:
+    if step > start_step or start_step == end:
         do_eval(step)
-    save_checkpoint(accelerator, ckpt_root, step, {"step": step, "best": _jsonable(best)}, cfg.keep_checkpoints)
+    save_checkpoint(accelerator, ckpt_root, step, trainer_state(step), cfg.keep_checkpoints)
     final = export_draft(accelerator, model, tokenizer, out / "final")
     if main_proc:
         summary = {"final": str(final), "steps": step, "best": _jsonable(best), "device": str(device),
-                   "processes": world, "mixed_precision": accelerator.mixed_precision, "config": to_dict(cfg)}
+                   "processes": world, "mixed_precision": accelerator.mixed_precision,
+                   "stopped_by": "max_minutes" if end < cfg.max_steps else "max_steps",
+                   "train_minutes": budget.spent() / 60, "config": to_dict(cfg)}
         (out / "train_summary.json").write_text(json.dumps(summary, indent=1))
         log.info("final draft: %s (best tau(k=%d) %.3f at step %s -> %s)", final, cfg.best_k, best["tau"],
                  best["step"], out / "best")
