@@ -1,7 +1,12 @@
 """`specdec demo`: the embedded default end to end, on a CPU, with no download.
 
-    specdec demo            # recipes/smollm2-135m.yaml        (full: tens of minutes on 2 cores)
-    specdec demo --quick    # recipes/smollm2-135m-quick.yaml  (a few minutes: proves the pipeline)
+    specdec demo            # recipes/smollm2-135m-feature.yaml  (full: tens of minutes on 2 cores)
+    specdec demo --quick    # recipes/smollm2-135m-quick.yaml    (a few minutes: proves the pipeline)
+    specdec demo recipe=recipes/smollm2-135m.yaml   # a plain draft, loadable by transformers / vLLM / SGLang
+
+The full demo's draft is feature-conditioned (EAGLE-style, one layer at about 1/17 of the target's step): on a
+CPU it beats the six-layer plain draft clearly (1.21x against 1.03x on a 2-core AVX2 CPU, same budget), but
+runs in specdec's decoder only.
 
 Stages: target-generated data from the shipped prompt set -> a draft derived from the target and distilled on
 it -> evaluation against the target alone on the held-out prompts -> a published checkpoint with its model
@@ -37,13 +42,15 @@ class DemoConfig:
     """Options of `specdec demo` (section `demo:` of the recipe it runs)."""
 
     quick: bool = False
-    recipe: str = ""  # default: recipes/smollm2-135m.yaml, or -quick.yaml with --quick
+    recipe: str = ""  # default: recipes/smollm2-135m-feature.yaml, or smollm2-135m-quick.yaml with --quick
     output_dir: str = "outputs/demo"
     eval_prompts: str = "embedded:heldout"
     eval_num_prompts: int | None = None  # default: 8 with --quick, else 24
     fresh: bool = False  # ignore completed stages and redo everything
     minutes: float = 0.0  # time budget of the whole demo; 0 = 45, or 5 with --quick
-    data_share: float = 0.5  # data generation starts no shard that would end past this share of the budget
+    # Data generation starts no shard that would end past this share of the budget. Data is the scarcer: a
+    # feature draft on recorded features trains 4x faster than the target decodes its data.
+    data_share: float = 0.6
 
     def __post_init__(self) -> None:
         if self.minutes < 0 or not 0.0 < self.data_share <= 1.0:
@@ -56,7 +63,7 @@ class DemoConfig:
     def recipe_path(self) -> Path:
         if self.recipe:
             return Path(self.recipe)
-        return RECIPES / ("smollm2-135m-quick.yaml" if self.quick else "smollm2-135m.yaml")
+        return RECIPES / ("smollm2-135m-quick.yaml" if self.quick else "smollm2-135m-feature.yaml")
 
 
 def _stage(name: str, index: int, total: int = 4) -> float:

@@ -213,15 +213,21 @@ class FeatureDraft(nn.Module):
 
 class FeatureRecorder:
     """Keeps the features f of the target's latest forward, [B, n, W]: its final norm's output, followed by the
-    outputs of decoder layers `aux_layers` (W = (1 + len(aux_layers)) x H)."""
+    outputs of decoder layers `aux_layers` (W = (1 + len(aux_layers)) x H).
 
-    def __init__(self, target: nn.Module, aux_layers: list[int] | tuple[int, ...] = ()):
+    With `history=True` it also keeps every forward's features (float16, on the CPU) in `history`, in order: a
+    decode loop's prefill, then one entry per step (what `specdec data record_features=true` stores)."""
+
+    def __init__(self, target: nn.Module, aux_layers: list[int] | tuple[int, ...] = (), history: bool = False):
         self._parts: list[torch.Tensor | None] = [None] * (1 + len(aux_layers))
+        self.history: list[torch.Tensor] | None = [] if history else None
         self._handles = [module.register_forward_hook(functools.partial(self._keep, i))
                          for i, module in enumerate(feature_layers(target, aux_layers))]
 
     def _keep(self, index: int, _module, _inputs, output) -> None:
         self._parts[index] = output[0] if isinstance(output, tuple) else output  # some decoder layers return tuples
+        if index == 0 and self.history is not None:  # the final norm runs after every decoder layer of a forward
+            self.history.append(self.latest.detach().to("cpu", torch.float16))
 
     @property
     def latest(self) -> torch.Tensor | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -98,7 +99,15 @@ def test_plan_skips_or_rejects_long_prompts(tmp_path):
     items, skipped, _ = plan_items(prompts, tok, cfg, context_limit=None)
     assert sorted(skipped) == sorted(i for i, n in lengths.items() if n > cut)
     assert len(items) == 2 * (len(prompts) - len(skipped))
-    assert [it.first_length for it in items] == sorted((it.first_length for it in items), reverse=True)
+    # Shuffled (seeded), the longest first: any run of shards is a uniform sample of the work list.
+    assert items[0].first_length == max(it.first_length for it in items)
+    assert [it.first_length for it in items] != sorted((it.first_length for it in items), reverse=True)
+    again = plan_items(prompts, tok, cfg, context_limit=None)[0]
+    assert [(it.prompt.prompt_id, it.sample_index) for it in again] == [(it.prompt.prompt_id, it.sample_index)
+                                                                        for it in items]
+    in_order = plan_items(prompts, tok, dataclasses.replace(cfg, shuffle=False), context_limit=None)[0]
+    assert [it.prompt.prompt_id for it in in_order] == [p.prompt_id for p in prompts if p.prompt_id not in skipped
+                                                        for _ in range(2)]
     with pytest.raises(ValueError, match="too_long=skip"):
         plan_items(prompts, tok, DataConfig(max_prompt_tokens=cut, too_long="error"), context_limit=None)
     # The model's context bounds prompts too: prompt + max_new_tokens must fit.
@@ -139,6 +148,36 @@ def test_generated_rows_match_the_target(tiny_target, tmp_path):
     turns = [r for r in rows if r["prompt_id"] == "900"]
     assert [r["turn"] for r in turns] == [0, 1] and turns[1]["prompt_length"] > len(turns[0]["input_ids"])
     assert {r["category"] for r in rows} == {"c0", "c1", "c2", "mt"}
+
+
+def test_recorded_features_equal_the_targets_own_on_the_whole_sequence(tiny_target, tmp_path):
+    """record_features=true keeps, per row, what a full forward over the row would give at every fed position
+    (batched, left-padded, multi-turn rows included), in the rows' order, beside each shard."""
+    from train.feature_train import target_features
+
+    out = tmp_path / "out"
+    manifest = run(_cfg(tiny_target, _write_prompts(tmp_path / "p.jsonl"), out, record_features=True,
+                        feature_aux_layers=[0]))
+    assert manifest["features"]["aux_layers"] == [0]
+    model = tiny_llama(seed=0)
+    checked = 0
+    for columns, feats in gen.recorded_features(out):
+        assert len(feats) == len(columns["input_ids"])
+        for ids, f in zip(columns["input_ids"], feats):
+            assert f.dtype == torch.float16 and f.shape == (len(ids) - 1, 2 * model.config.hidden_size)
+            full = target_features(model, torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long), [0])[0]
+            torch.testing.assert_close(f.float(), full[:-1].float(), atol=2e-3, rtol=2e-3)
+            checked += 1
+    assert checked == manifest["counts"]["examples"] == 14
+    assert sorted(p.name for p in (out / "shards").iterdir())[:2] == ["shard-00000.features.safetensors",
+                                                                      "shard-00000.parquet"]
+
+
+def test_recording_features_needs_the_transformers_backend():
+    with pytest.raises(ValueError, match="backend=transformers"):
+        DataConfig(record_features=True, backend="vllm")
+    with pytest.raises(ValueError, match="record_features=true"):
+        DataConfig(feature_aux_layers=[1])
 
 
 def test_sampling_is_seeded_and_samples_differ(tiny_target, tmp_path):

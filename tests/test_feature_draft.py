@@ -1,5 +1,7 @@
 """The feature-conditioned (EAGLE-style) draft: exact decoding, true features read, save and load."""
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import ragged_prompts, tiny_llama
@@ -78,10 +80,19 @@ def test_each_round_reads_the_targets_true_features(target, monkeypatch, aux_lay
         round_starts.append(len(calls))
         return propose(self, *args, **kwargs)
 
+    window_lengths = []  # after each verification's write: the buffer holds only positions not yet read
+    write = decode._FeatureWindow.write
+
+    def spy_write(self, position, values):
+        write(self, position, values)
+        window_lengths.append(self.values.shape[1])
+
     monkeypatch.setattr(FeatureDraft, "forward", spy)
     monkeypatch.setattr(decode._FeatureDraft, "propose", spy_round)
+    monkeypatch.setattr(decode._FeatureWindow, "write", spy_write)
     ids = torch.tensor([[5, 17, 33, 8, 91, 40]])
     out = speculative_generate(target, feature_draft, ids, num_draft_tokens=3, max_new_tokens=30)
+    assert len(window_lengths) >= 5 and max(window_lengths) <= 3 + 1  # k + 1 verified positions, never the sequence
     seq = out.sequences
     with torch.no_grad():
         states = target.model(input_ids=seq, output_hidden_states=True)
@@ -232,6 +243,42 @@ def test_the_trainer_distils_a_feature_draft_end_to_end(tmp_path, aux_layers, te
     ids, mask = ragged_prompts(2, VOCAB, seed=5)
     ref = target_generate(target, ids, mask, max_new_tokens=16)
     assert torch.equal(speculative_generate(target, draft, ids, mask, 3, max_new_tokens=16).sequences, ref.sequences)
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_features_recorded_by_the_data_stage_spare_the_target_forward(tmp_path, monkeypatch):
+    """`specdec data record_features=true` -> a feature draft trains and is scored with no target forward for its
+    features (the recorded ones are read in); data without them, or with other layers, falls back to computing."""
+    import json
+
+    from conftest import save_tiny_world
+
+    from train import distill, feature_train
+    from train.data import DataConfig
+    from train.data import run as run_data
+
+    ws = save_tiny_world(tmp_path / "ws", target_layers=2, small_seed=7, n_train=2, n_heldout=2)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"explain the sum of {w} and water"}) + "\n"
+                               for w in "a city book list food number simple clear water the".split()))
+    for folder, limit in (("recorded", None), ("recorded_heldout", 3)):
+        run_data(DataConfig(target=str(ws / "target"), prompts=str(prompts), output_dir=str(tmp_path / folder),
+                            max_new_tokens=8, batch_size=4, dtype="float32", device="cpu", limit=limit,
+                            record_features=True, feature_aux_layers=[0]))
+
+    def no_target_forward(*_args, **_kw):
+        raise AssertionError("the target ran for features the data stage recorded")
+
+    monkeypatch.setattr(feature_train, "target_features", no_target_forward)
+    cfg = distill.TrainConfig(target=str(ws / "target"), train_data=str(tmp_path / "recorded"),
+                              heldout_data=str(tmp_path / "recorded_heldout"), output_dir=str(tmp_path / "run"),
+                              device="cpu", draft="feature", draft_layers=[-1], teacher="online", feature_steps=2,
+                              feature_aux_layers=[0], max_steps=4, per_device_batch_size=4, warmup_steps=0,
+                              eval_every=0, save_every=0, eval_samples=3, learning_rate=3e-3)
+    distill.run(cfg)
+    assert len((tmp_path / "run" / "eval.jsonl").read_text().splitlines()) == 2
+    with pytest.raises(AssertionError, match="recorded"):  # other auxiliary layers: the features are computed
+        distill.run(dataclasses.replace(cfg, feature_aux_layers=[], output_dir=str(tmp_path / "run2")))
 
 
 def test_the_online_teachers_restricted_head_gives_the_restricted_full_logits():

@@ -53,6 +53,17 @@ def test_embedded_recipes_use_the_shared_prompt_keywords():
         assert raw["data"]["output_dir"] == f"{raw['output_dir']}/data"
 
 
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_recorded_features_are_the_ones_the_draft_reads(path):
+    """A data section that records target features records the layers its feature draft reads (else training
+    would compute them again, with a warning)."""
+    from train.data import DataConfig
+
+    raw, data = read_recipe(path), load_config(DataConfig, path, section="data")
+    if data.record_features:
+        assert raw["draft"] == "feature" and data.feature_aux_layers == raw["train"].get("feature_aux_layers", [])
+
+
 @pytest.mark.parametrize("path", LAUNCH_CONFIGS, ids=lambda p: p.name)
 def test_accelerate_launch_configs_load(path):
     from accelerate.commands.config.config_args import load_config_from_file

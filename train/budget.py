@@ -14,6 +14,12 @@ import math
 import time
 
 
+def check_minutes(minutes: float | None) -> None:
+    """A `max_minutes` setting is > 0 or unset (None: no time limit)."""
+    if minutes is not None and minutes <= 0:
+        raise ValueError(f"max_minutes must be > 0 (or unset for no time limit), got {minutes}")
+
+
 class CosineToEnd:
     """Linear warm-up then cosine decay to zero at `end`: transformers' get_cosine_schedule_with_warmup, with an
     end that may move. A callable object (not a function), so LambdaLR's state_dict saves `end` with the run's
@@ -33,8 +39,7 @@ class TimeBudget:
     """Wall time of one training run, summed over resumes, against `minutes`."""
 
     def __init__(self, minutes: float, max_steps: int, spent_seconds: float = 0.0, clock=time.perf_counter):
-        if minutes <= 0:
-            raise ValueError(f"max_minutes must be > 0 (or unset for no time limit), got {minutes}")
+        check_minutes(minutes)
         self.seconds, self.max_steps, self.clock = minutes * 60.0, max_steps, clock
         self.before = spent_seconds  # spent by earlier runs of this training (resume)
         self.started = clock()

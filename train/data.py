@@ -13,8 +13,12 @@ Output, resumable (rerun the same command after a crash; finished shards are kep
     <output_dir>/manifest.json                 settings, prompt source, counts, shard list, complete flag
     <output_dir>/shards/shard-00000.parquet     prompt_id, category, sample_index, turn, input_ids (prompt +
                                                 completion), prompt_length [, top_ids, top_logprobs]
+    <output_dir>/shards/shard-00000.features.safetensors   with record_features=true: the target's features
+                                                (specdec/feature_draft.py) at each row's fed positions, tensor
+                                                "<row index>" [prompt + completion - 1, W] float16, so a feature
+                                                draft trains with no target forward (train/feature_train.py)
 
-The work list (prompt x sample, length-sorted) is cut into shards of `shard_size` items; shard s belongs to
+The work list (prompt x sample, shuffled) is cut into shards of `shard_size` items; shard s belongs to
 process s % num_processes. A shard is written to a temporary file and renamed, then recorded in the manifest,
 so a shard is either complete and listed or absent/ignored: a rerun redoes exactly the missing ones.
 Each shard samples from its own generator seeded by (seed, shard), so for a given batch_size the result does
@@ -31,16 +35,18 @@ import json
 import logging
 import math
 import os
+import random
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from specdec.config import config_from_cli, to_dict
 from specdec.models import EMBEDDED_TARGET
 from specdec.prompts import Prompt, encode_prompt, normalise_record
+from train.budget import check_minutes
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +81,11 @@ class DataConfig:
     seed: int = 0
     max_new_tokens: int = 256
     batch_size: int = 16
-    sort_by_length: bool = True
+    sort_by_length: bool = True  # batches of similar lengths inside each shard (less padding)
+    # Deal the work list to shards in a seeded random order (the longest item first), so that any run of
+    # finished shards is a uniform sample of the prompt set: a run stopped by max_minutes keeps every source and
+    # length in proportion. false = the prompt files' order.
+    shuffle: bool = True
     shard_size: int = 256  # prompt x sample items per shard
     top_logprobs: int = 0  # 0 = off, else keep the target's n most likely tokens at each completion position
     backend: str = "transformers"  # or "vllm"
@@ -91,6 +101,12 @@ class DataConfig:
     # Start no shard that would end past this many minutes of this run (self-written prompts included) at the
     # last shard's pace, one at least: the folder is left incomplete, usable, and a rerun continues it.
     max_minutes: float | None = None
+    # Keep the target's features (its final hidden state, then the outputs of `feature_aux_layers`) at every fed
+    # position, as a feature draft reads them (train: draft=feature with the same feature_aux_layers): computed by
+    # the decoding anyway, they spare training a target forward per sample. 4.6 KB a token for SmolLM2 with 3
+    # auxiliary layers.
+    record_features: bool = False
+    feature_aux_layers: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         choices = {"spec_bench_turns": ("first", "all"), "too_long": ("skip", "error"),
@@ -104,8 +120,11 @@ class DataConfig:
                 raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
         if self.top_logprobs < 0:
             raise ValueError(f"top_logprobs must be >= 0 (0 = off), got {self.top_logprobs}")
-        if self.max_minutes is not None and self.max_minutes <= 0:
-            raise ValueError(f"max_minutes must be > 0 (or unset for no time limit), got {self.max_minutes}")
+        check_minutes(self.max_minutes)
+        if self.feature_aux_layers and not self.record_features:
+            raise ValueError("feature_aux_layers names the layers that record_features=true keeps; set both")
+        if self.record_features and self.backend != "transformers":
+            raise ValueError("record_features=true needs backend=transformers (vLLM does not expose hidden states)")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit must be >= 1 (or unset for all prompts), got {self.limit}")
         if self.column_map is not None and not isinstance(self.column_map, dict):
@@ -246,7 +265,7 @@ class Item:
 
 
 def plan_items(prompts: list[Prompt], tokenizer, cfg: DataConfig, context_limit: int | None) -> tuple[list[Item], list[str], str]:
-    """Work list (prompt x sample, longest first when sorting), ids skipped as too long, and its fingerprint."""
+    """Work list (prompt x sample, shuffled when `shuffle`), ids skipped as too long, and its fingerprint."""
     limit = cfg.max_prompt_tokens
     if context_limit is not None:
         limit = min(limit, context_limit - cfg.max_new_tokens)
@@ -267,9 +286,11 @@ def plan_items(prompts: list[Prompt], tokenizer, cfg: DataConfig, context_limit:
             continue
         digest.update(json.dumps([p.prompt_id, ids, user_turns[1:]]).encode())
         items += [Item(p, s, history, user_turns, len(ids)) for s in range(cfg.num_samples)]
-    if cfg.sort_by_length:
-        # Longest first: a memory problem shows at the start, not hours in. Stable, so ties keep file order.
-        items.sort(key=lambda it: -it.first_length)
+    if cfg.shuffle and items:
+        random.Random(cfg.seed).shuffle(items)
+        # The longest item first: a memory problem shows in the first batch, not hours in.
+        longest = max(range(len(items)), key=lambda i: items[i].first_length)
+        items.insert(0, items.pop(longest))
     return items, skipped, digest.hexdigest()
 
 
@@ -282,6 +303,7 @@ class Completion:
     tokens: list[int]
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+    features: Any = None  # record_features: [prompt + len(tokens) - 1, W] float16, the positions fed to the target
 
 
 def eos_ids(model, tokenizer) -> list[int]:
@@ -319,6 +341,7 @@ class TransformersBackend:
         import torch
 
         from specdec.decode import target_generate
+        from specdec.feature_draft import FeatureRecorder
 
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
@@ -327,11 +350,19 @@ class TransformersBackend:
             ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
             mask[row, width - len(p):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
-        out = target_generate(self.model, ids, mask, sampling=self.sampling, max_new_tokens=self.cfg.max_new_tokens,
-                              eos_token_id=self.eos or None, generator=generator, pad_token_id=self.pad,
-                              top_logprobs=self.cfg.top_logprobs)
+        with contextlib.ExitStack() as stack:
+            recorder = stack.enter_context(FeatureRecorder(self.model, self.cfg.feature_aux_layers, history=True)) \
+                if self.cfg.record_features else None
+            out = target_generate(self.model, ids, mask, sampling=self.sampling,
+                                  max_new_tokens=self.cfg.max_new_tokens, eos_token_id=self.eos or None,
+                                  generator=generator, pad_token_id=self.pad, top_logprobs=self.cfg.top_logprobs)
         new = out.sequences[:, width:].tolist()
         completions = [Completion(_cut_at_eos(row, self.eos)) for row in new]
+        if recorder is not None:
+            # history: the prefill [B, width, W], then one [B, 1, W] per step (the step feeding completion token j).
+            prefill, steps = recorder.history[0], torch.cat(recorder.history[1:] or [recorder.history[0][:, :0]], 1)
+            for row, (p, comp) in enumerate(zip(prompts, completions)):
+                comp.features = torch.cat([prefill[row, width - len(p):], steps[row, : len(comp.tokens) - 1]])
         if self.cfg.top_logprobs:
             # Taken from the decoding logits: a second forward over the sequences would nearly double the cost.
             top_ids, top_lp = out.top_ids.tolist(), out.top_logprobs.tolist()
@@ -432,6 +463,8 @@ def generate_shard(items: list[Item], backend, tokenizer, cfg: DataConfig, seed:
                        "prompt_length": len(prompts[i])}
                 if cfg.top_logprobs:
                     row["top_ids"], row["top_logprobs"] = comp.top_ids, comp.top_logprobs
+                if cfg.record_features:
+                    row["features"] = comp.features  # written beside the shard (write_features), not in it
                 rows.append(row)
                 counts["examples"] += 1
                 counts["generated_tokens"] += len(comp.tokens)
@@ -463,10 +496,42 @@ def write_shard(rows: list[dict], path: Path, top_logprobs: bool) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pa.Table.from_pylist(rows, schema=_schema(top_logprobs))
+    table = pa.Table.from_pylist([{k: v for k, v in r.items() if k != "features"} for r in rows],
+                                 schema=_schema(top_logprobs))
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     pq.write_table(table, tmp)
     os.replace(tmp, path)
+
+
+def features_file(shard_file: str) -> str:
+    """The features file beside a shard: shards/shard-00000.parquet -> shards/shard-00000.features.safetensors"""
+    return shard_file.removesuffix(".parquet") + ".features.safetensors"
+
+
+def write_features(rows: list[dict], path: Path) -> None:
+    """The rows' recorded features as tensors "0", "1", ... (the rows' order in the shard), atomically."""
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_file({str(i): r["features"].contiguous() for i, r in enumerate(rows)}, str(tmp))
+    os.replace(tmp, path)
+
+
+def recorded_features(folder: str | Path):
+    """Per shard of a folder written with record_features=true: (its rows' prompt_id, sample_index, turn and
+    input_ids as columns, its rows' features in order); nothing for a folder without them."""
+    import pyarrow.parquet as pq
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    if not manifest.get("features"):
+        return
+    for shard in manifest["shards"]:
+        columns = pq.read_table(folder / shard["file"], columns=["prompt_id", "sample_index", "turn",
+                                                                  "input_ids"]).to_pydict()
+        with safe_open(str(folder / features_file(shard["file"])), "pt") as f:
+            yield columns, [f.get_tensor(str(i)) for i in range(len(columns["input_ids"]))]
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -675,6 +740,9 @@ def run(cfg: DataConfig) -> dict:
         "generation": {k: settings[k] for k in ("temperature", "top_k", "top_p", "max_new_tokens", "num_samples",
                                                   "seed", "top_logprobs", "use_chat_template", "backend", "dtype")},
         "top_logprobs_of": "log_softmax of the target's raw logits (temperature 1, no top-k/top-p)",
+        "features": {"aux_layers": cfg.feature_aux_layers, "dtype": "float16",
+                     "of": "the final norm's output, then each auxiliary layer's, at the positions fed to the target"}
+        if cfg.record_features else None,
         "prompt_source": {"prompts": cfg.prompts, "split": cfg.split, "column_map": cfg.column_map,
                           "spec_bench_turns": cfg.spec_bench_turns, "limit": cfg.limit},
         "counts": {"prompts": len(prompts), "skipped_too_long": len(skipped), "work_items": len(items),
@@ -714,6 +782,8 @@ def run(cfg: DataConfig) -> dict:
                 rows, counts = generate_shard(shard_items, backend, tokenizer, cfg, seed=cfg.seed * 1_000_003 + s,
                                               context_limit=context_limit, progress=progress)
                 name = f"{SHARD_DIR}/shard-{s:05d}.parquet"
+                if cfg.record_features:  # before the shard: a listed shard always has its features
+                    write_features(rows, out / features_file(name))
                 write_shard(rows, out / name, cfg.top_logprobs > 0)
                 counts["seconds"] = round(time.perf_counter() - started, 3)  # generation only, for tokens/s
                 _record_shard(out, {"index": s, "file": name, **counts})

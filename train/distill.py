@@ -37,7 +37,7 @@ import torch
 from specdec.config import config_from_cli, to_dict
 from specdec.models import EMBEDDED_TARGET, cpu_has_native_bf16
 from train import feature_train, losses
-from train.budget import CosineToEnd, TimeBudget
+from train.budget import CosineToEnd, TimeBudget, check_minutes
 from train.draft import DEFAULT_LORA_MODULES, DERIVED, FEATURE, SCRATCH
 from train.simulate import simulated_tau
 
@@ -139,8 +139,7 @@ class TrainConfig:
                      "log_every", "keep_checkpoints", "on_policy_max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_minutes is not None and self.max_minutes <= 0:
-            raise ValueError(f"max_minutes must be > 0 (or unset for no time limit), got {self.max_minutes}")
+        check_minutes(self.max_minutes)
         if self.warmup_steps < 0 or self.eval_every < 0 or self.save_every < 0 or self.draft_vocab_size < 0:
             raise ValueError("warmup_steps, eval_every, save_every and draft_vocab_size must be >= 0")
         if not self.eval_k or min(self.eval_k) < 1 or self.best_k not in self.eval_k:
@@ -190,24 +189,32 @@ def _in_heldout(prompt_id: str, fraction: float) -> bool:
     return int(hashlib.sha1(prompt_id.encode()).hexdigest()[:8], 16) % 10_000 < fraction * 10_000
 
 
-def load_data(cfg: TrainConfig):
-    """(train, heldout) datasets; held-out is its own folder or a hash split of prompt ids."""
+def data_folders(cfg: TrainConfig) -> tuple[list[Path], Path | None]:
+    """The training data folders and the held-out folder (None: a hash split of the training data)."""
     out = Path(cfg.output_dir)
     train_paths = [Path(p.strip()) for p in cfg.train_data.split(",") if p.strip()] or [out / "data"]
     for path in train_paths:
         if not path.is_dir():
             raise ValueError(f"training data {path} not found; run `specdec data --config ...` first or set "
                              "train_data=<folder>[,<folder>...]")
+    heldout_path = Path(cfg.heldout_data) if cfg.heldout_data else out / "data_heldout"
+    if heldout_path.is_dir():
+        return train_paths, heldout_path
+    if cfg.heldout_data:
+        raise ValueError(f"heldout_data {heldout_path} not found")
+    return train_paths, None
+
+
+def load_data(cfg: TrainConfig):
+    """(train, heldout) datasets; held-out is its own folder or a hash split of prompt ids."""
+    train_paths, heldout_path = data_folders(cfg)
     train = load_split(train_paths[0])
     if len(train_paths) > 1:  # several `specdec data` folders, e.g. a prompt set and self-written prompts
         import datasets
 
         train = datasets.concatenate_datasets([train, *(load_split(p) for p in train_paths[1:])])
-    heldout_path = Path(cfg.heldout_data) if cfg.heldout_data else out / "data_heldout"
-    if heldout_path.is_dir():
+    if heldout_path is not None:
         return train, load_split(heldout_path)
-    if cfg.heldout_data:
-        raise ValueError(f"heldout_data {heldout_path} not found")
     flags = [_in_heldout(str(p), cfg.heldout_fraction) for p in train["prompt_id"]]
     held = [i for i, f in enumerate(flags) if f]
     kept = [i for i, f in enumerate(flags) if not f]
@@ -427,6 +434,27 @@ def evaluate(model, target, items: list[dict], cfg: TrainConfig, pad_id: int, id
 # ---- checkpoints -----------------------------------------------------------------------------------------
 
 
+def preload_features(cache, cfg: TrainConfig) -> None:
+    """Read in the target features the data stage recorded for a feature draft (`record_features=true` with the
+    same feature_aux_layers), so that training runs no target forward for them."""
+    from train.data import read_manifest, recorded_features
+
+    train_paths, heldout_path = data_folders(cfg)
+    for folder in train_paths + ([heldout_path] if heldout_path else []):
+        recorded = read_manifest(folder).get("features")
+        if not recorded:
+            log.info("%s has no recorded target features: computing them in the loop (specdec data "
+                     "record_features=true would spare that)", folder)
+            continue
+        if list(recorded["aux_layers"]) != list(cfg.feature_aux_layers):
+            log.warning("%s recorded features with feature_aux_layers=%s, the draft reads %s: computing them in "
+                        "the loop", folder, recorded["aux_layers"], cfg.feature_aux_layers)
+            continue
+        kept = sum(cache.preload(((sample_id(cols, i), cols["input_ids"][i], f) for i, f in enumerate(feats)),
+                                 cfg.max_length) for cols, feats in recorded_features(folder))
+        log.info("read the target's recorded features of %d samples from %s", kept, folder)
+
+
 def latest_checkpoint(root: Path) -> Path | None:
     """The complete checkpoint with the highest step under `root` (a trainer_state.json marks it complete)."""
     done = [p for p in root.glob("step-*") if p.is_dir() and (p / "trainer_state.json").is_file()
@@ -633,6 +661,7 @@ def run(cfg: TrainConfig) -> Path:
         target_head = feature_train.teacher_head(target.get_output_embeddings(), id_map) \
             if cfg.teacher == "online" else None
         features_of = feature_train.FeatureCache(target, accelerator.autocast, cfg.feature_aux_layers)
+        preload_features(features_of, cfg)
 
     def eval_chunks():
         for s in range(0, len(heldout), cfg.eval_batch_size):

@@ -115,17 +115,37 @@ def tau_from_runs(runs: Sequence[Sequence[int]], ks: Sequence[int] = range(1, 9)
 class FeatureCache:
     """The target's features of each training and held-out sample, computed on first use and kept (float16, in
     host memory: 1.1 KB per token and feature layer for a 576-wide target), so later epochs and evaluations cost
-    no target forward. A resumed run recomputes them as it meets each sample again."""
+    no target forward. A resumed run recomputes them as it meets each sample again. Features the data stage
+    recorded (`specdec data record_features=true`) are read in up front (`preload`): no target forward at all."""
 
     def __init__(self, target, autocast, aux_layers=()):
         self.target, self.autocast, self.aux_layers, self.store = target, autocast, list(aux_layers), {}
         self.width = (1 + len(self.aux_layers)) * target.config.hidden_size
 
+    @staticmethod
+    def key(sample_id: str, tokens) -> tuple[str, int]:
+        # Keyed by the tokens too: two data folders may reuse a prompt id for different sequences.
+        return sample_id, hash(tuple(tokens))
+
+    def preload(self, samples, max_length: int) -> int:
+        """Keep recorded features: `samples` yields (sample id, input_ids, features [n <= len(input_ids), width]),
+        truncated to max_length as the batches are. Returns how many were kept."""
+        kept = 0
+        for sid, tokens, feats in samples:
+            if feats.shape[-1] != self.width:
+                raise ValueError(f"recorded features are {feats.shape[-1]} wide, the draft reads {self.width} "
+                                 "(another target or feature_aux_layers?): regenerate the data with this recipe")
+            tokens = list(tokens)[:max_length]
+            padded = torch.zeros(len(tokens), self.width, dtype=torch.float16)
+            padded[: min(len(feats), len(tokens))] = feats[: len(tokens)]  # the last token was never fed: zeros
+            self.store[self.key(sid, tokens)] = padded
+            kept += 1
+        return kept
+
     def __call__(self, sample_ids: list[str], batch: dict) -> torch.Tensor:
         """Features [B, S, width] (float32, on the batch's device) for the right-padded `batch`."""
         ids, mask = batch["input_ids"], batch["attention_mask"]
-        # Keyed by the tokens too: two data folders may reuse a prompt id for different sequences.
-        keys = [(sid, hash(tuple(ids[b, : int(mask[b].sum())].tolist()))) for b, sid in enumerate(sample_ids)]
+        keys = [self.key(sid, ids[b, : int(mask[b].sum())].tolist()) for b, sid in enumerate(sample_ids)]
         missing = [b for b, key in enumerate(keys) if key not in self.store]
         if missing:
             with self.autocast():
