@@ -248,7 +248,7 @@ def test_the_trainer_distils_a_feature_draft_end_to_end(tmp_path, aux_layers, te
 @pytest.mark.usefixtures("fresh_accelerate_state")
 def test_features_recorded_by_the_data_stage_spare_the_target_forward(tmp_path, monkeypatch):
     """`specdec data record_features=true` -> a feature draft trains and is scored with no target forward for its
-    features (the recorded ones are read in); data without them, or with other layers, falls back to computing."""
+    features (the recorded ones are read in); data recorded with other layers falls back to computing them."""
     import json
 
     from conftest import save_tiny_world
