@@ -10,6 +10,10 @@ machine's two cores), so their wall-clock minutes compare with each other but no
 Each final draft is then scored teacher-forced on every held-out folder (all rows): greedy top-1 agreement
 with the target and the simulated mean accepted tokens tau(k) for k = 1..8 (exact for greedy decoding: the
 draft sees the target's own prefix at every position). Prints a markdown table and writes results.jsonl.
+`--score NAME=DIR ...` scores drafts already trained (plain or feature-conditioned) instead:
+
+    python bench/distill.py --score demo=outputs/demo/draft --heldout embedded=runs/heldout/data \\
+        --heldout spec-bench=runs/specbench/data
 """
 
 from __future__ import annotations
@@ -55,21 +59,40 @@ def train(name: str, args, out_root: Path) -> dict:
             "draft": str(out / "final")}
 
 
-def score(result: dict, heldouts: list[str]) -> dict:
-    """Teacher-forced agreement and simulated tau of the final draft on each held-out folder (all rows)."""
+def score(result: dict, heldouts: list[str], target: str) -> dict:
+    """Teacher-forced agreement and simulated tau of the final draft on each held-out folder (all rows); a
+    feature draft reads the target's features there (recorded by the data stage, else computed)."""
+    import contextlib
+
     import torch
 
+    from specdec.feature_draft import FeatureDraft
     from specdec.models import load_model
     from specdec.vocab import draft_to_target_map
-    from train.distill import TrainConfig, evaluate, load_split
+    from train import feature_train
+    from train.distill import TrainConfig, collate, evaluate, load_split, preload_folder, sample_id
 
-    model = load_model(result["draft"], dtype="float32", device="cpu")
+    model = load_model(result["draft"], dtype="float32", device="cpu").eval()
     id_map = draft_to_target_map(model)
     cfg = TrainConfig(eval_batch_size=16)
+    feature = isinstance(model, FeatureDraft)
+    if feature:
+        features_of = feature_train.FeatureCache(load_model(target, dtype="float32", device="cpu"),
+                                                 contextlib.nullcontext, model.aux_layers)
     for spec in heldouts:
         label, folder = spec.split("=", 1)
         ds = load_split(folder)
-        metrics = evaluate(model, None, [ds[i] for i in range(len(ds))], cfg, 0, id_map, torch.device("cpu"))
+        items = [ds[i] for i in range(len(ds))]
+        if feature:
+            preload_folder(features_of, folder, model.aux_layers, cfg.max_length)
+            chunks = (([sample_id(rows, i) for i in range(len(rows["input_ids"]))], collate(rows, 0, cfg.max_length))
+                      for rows in ({k: [r.get(k) for r in items[s:s + 16]] for k in items[0]}
+                                   for s in range(0, len(items), 16)))
+            with torch.no_grad():
+                metrics = feature_train.evaluate_feature_draft(model, model.get_output_embeddings(), features_of,
+                                                               chunks, cfg.eval_k, id_map)
+        else:
+            metrics = evaluate(model, None, items, cfg, 0, id_map, torch.device("cpu"))
         result[label] = {"agreement": metrics["agreement"], "tau": metrics["tau"], "positions": metrics["positions"]}
     return result
 
@@ -90,7 +113,11 @@ def table(results: list[dict], labels: list[str]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default="recipes/smollm2-135m.yaml")
-    parser.add_argument("--train-data", required=True, help="a folder written by `specdec data`")
+    parser.add_argument("--train-data", help="a folder written by `specdec data` (needed unless --score)")
+    parser.add_argument("--score", nargs="+", metavar="NAME=DIR",
+                        help="score these trained drafts instead of training variants")
+    parser.add_argument("--target", default="embedded:smollm2-135m-instruct",
+                        help="the target whose features a feature draft reads")
     parser.add_argument("--heldout", action="append", required=True,
                         help="LABEL=FOLDER of held-out generated data; repeatable (the first is also the "
                              "trainer's own held-out split)")
@@ -101,19 +128,26 @@ def main() -> None:
     parser.add_argument("--set", nargs="*", default=[], help="extra key=value overrides for every variant")
     parser.add_argument("--out", default="runs/bench-distill")
     args = parser.parse_args()
+    if not args.score and not args.train_data:
+        parser.error("give --train-data to train variants, or --score NAME=DIR to score trained drafts")
     out_root = Path(args.out)
     out_root.mkdir(parents=True, exist_ok=True)
-    with ThreadPoolExecutor(args.parallel) as pool:
-        trained = list(pool.map(lambda n: train(n, args, out_root), args.variants))
+    if args.score:
+        trained = [{"name": n, "overrides": [d], "train_minutes": float("nan"), "draft": d}
+                   for n, d in (spec.split("=", 1) for spec in args.score)]
+    else:
+        with ThreadPoolExecutor(args.parallel) as pool:
+            trained = list(pool.map(lambda n: train(n, args, out_root), args.variants))
     import torch
 
     torch.set_num_threads(args.threads * args.parallel)  # scoring runs alone
-    results = [score(r, args.heldout) for r in trained]
+    results = [score(r, args.heldout, args.target) for r in trained]
     with open(out_root / "results.jsonl", "a") as f:
         for r in results:
-            f.write(json.dumps({**r, "steps": args.steps, "base": BASE, "set": args.set}) + "\n")
+            f.write(json.dumps({**r, "steps": None if args.score else args.steps, "base": BASE, "set": args.set}) + "\n")
     labels = [h.split("=", 1)[0] for h in args.heldout]
-    print(f"{args.steps} optimizer steps per variant, {args.parallel} at once x {args.threads} thread(s)")
+    if not args.score:
+        print(f"{args.steps} optimizer steps per variant, {args.parallel} at once x {args.threads} thread(s)")
     print(table(results, labels))
 
 

@@ -427,7 +427,7 @@ def _run(cfg: EvalConfig) -> dict:
     from specdec.prompts import encode_prompt, read_prompts
 
     out_dir = cfg.out_dir()
-    wandb_run = _start_wandb(cfg) if cfg.report_to == "wandb" else None
+    wandb_run = _start_wandb(cfg, out_dir) if cfg.report_to == "wandb" else None
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.device)
 
@@ -651,12 +651,16 @@ def _write_samples(path: Path, prompts, best: dict) -> None:
                                 "speculative_tokens": spec}) + "\n")
 
 
-def _start_wandb(cfg: EvalConfig):
+def _start_wandb(cfg: EvalConfig, out_dir: Path):
     try:
         import wandb
     except ImportError as err:
         raise ValueError("report_to=wandb needs wandb: pip install 'specdec[wandb]' (or set report_to=none)") from err
-    return wandb.init(project="specdec", name=cfg.run_name, job_type="eval", config=dataclasses.asdict(cfg))
+    # The run's files beside the report (as training keeps its own beside the checkpoints), not wherever
+    # $WANDB_DIR pointed when wandb first started in this process.
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return wandb.init(project="specdec", name=cfg.run_name, job_type="eval", config=dataclasses.asdict(cfg),
+                      dir=str(out_dir))
 
 
 def _log_wandb(run, result: dict, out_dir: Path) -> None:

@@ -201,11 +201,11 @@ def test_block_mask_gives_each_block_its_decode_time_view():
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
-@pytest.mark.parametrize("aux_layers, teacher", [([], "offline"), ([0], "online")])
-def test_the_trainer_distils_a_feature_draft_end_to_end(tmp_path, aux_layers, teacher):
+@pytest.mark.parametrize("aux_layers, teacher, prompt_weight", [([], "offline", 0.0), ([0], "online", 0.5)])
+def test_the_trainer_distils_a_feature_draft_end_to_end(tmp_path, aux_layers, teacher, prompt_weight):
     """draft=feature through the real loop: reduced head, unrolled steps, held-out tau from the unrolled
     simulation, best/ and final/ that load as feature drafts and decode exactly; offline without an auxiliary
-    target layer, online (the target's head on its features) with one."""
+    target layer, online (the target's head on its features) with one and with the prompt positions distilled."""
     import json
     import logging
 
@@ -219,7 +219,7 @@ def test_the_trainer_distils_a_feature_draft_end_to_end(tmp_path, aux_layers, te
                               teacher=teacher, draft_vocab_size=40, feature_steps=2, max_steps=12,
                               per_device_batch_size=24, warmup_steps=0, log_every=1, eval_every=6, save_every=6,
                               eval_samples=6, eval_batch_size=3, learning_rate=3e-3, freeze_embeddings=True,
-                              feature_aux_layers=aux_layers)
+                              feature_aux_layers=aux_layers, prompt_loss_weight=prompt_weight)
     messages = []
     handler = logging.Handler()
     handler.emit = lambda record: messages.append(record.getMessage())
@@ -248,7 +248,8 @@ def test_the_trainer_distils_a_feature_draft_end_to_end(tmp_path, aux_layers, te
 @pytest.mark.usefixtures("fresh_accelerate_state")
 def test_features_recorded_by_the_data_stage_spare_the_target_forward(tmp_path, monkeypatch):
     """`specdec data record_features=true` -> a feature draft trains and is scored with no target forward for its
-    features (the recorded ones are read in); data recorded with other layers falls back to computing them."""
+    features (the recorded ones are read in); data recorded with other layers, or without features, falls back to
+    computing them."""
     import json
 
     from conftest import save_tiny_world
@@ -261,10 +262,10 @@ def test_features_recorded_by_the_data_stage_spare_the_target_forward(tmp_path, 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"explain the sum of {w} and water"}) + "\n"
                                for w in "a city book list food number simple clear water the".split()))
-    for folder, limit in (("recorded", None), ("recorded_heldout", 3)):
+    for folder, limit, record in (("recorded", None, True), ("recorded_heldout", 3, True), ("plain", 4, False)):
         run_data(DataConfig(target=str(ws / "target"), prompts=str(prompts), output_dir=str(tmp_path / folder),
                             max_new_tokens=8, batch_size=4, dtype="float32", device="cpu", limit=limit,
-                            record_features=True, feature_aux_layers=[0]))
+                            record_features=record, feature_aux_layers=[0] if record else []))
 
     def no_target_forward(*_args, **_kw):
         raise AssertionError("the target ran for features the data stage recorded")
@@ -279,6 +280,8 @@ def test_features_recorded_by_the_data_stage_spare_the_target_forward(tmp_path, 
     assert len((tmp_path / "run" / "eval.jsonl").read_text().splitlines()) == 2
     with pytest.raises(AssertionError, match="recorded"):  # other auxiliary layers: the features are computed
         distill.run(dataclasses.replace(cfg, feature_aux_layers=[], output_dir=str(tmp_path / "run2")))
+    with pytest.raises(AssertionError, match="recorded"):  # no recorded features: computed as well
+        distill.run(dataclasses.replace(cfg, train_data=str(tmp_path / "plain"), output_dir=str(tmp_path / "run3")))
 
 
 def test_the_online_teachers_restricted_head_gives_the_restricted_full_logits():
@@ -303,6 +306,45 @@ def test_feature_draft_config_errors():
         TrainConfig(draft="feature", lora=True)
     with pytest.raises(ValueError, match="feature_aux_layers is for draft=feature"):
         TrainConfig(draft="derived", feature_aux_layers=[1])
+    for wrong in ({"draft": "derived"}, {"teacher": "offline"}, {"loss": "ce"}):
+        with pytest.raises(ValueError, match="prompt_loss_weight needs draft=feature, teacher=online"):
+            TrainConfig(**{"draft": "feature", "teacher": "online", "prompt_loss_weight": 0.5, **wrong})
+    with pytest.raises(ValueError, match="prompt_loss_weight must be >= 0"):
+        TrainConfig(draft="feature", prompt_loss_weight=-1)
+
+
+def test_prompt_positions_are_the_prompts_tokens_with_a_known_next_feature():
+    from train.distill import collate
+    from train.feature_train import prompt_positions
+
+    rows = {"input_ids": [[5, 6, 7, 8, 9, 10], [5, 6, 7], [5, 6, 7, 8]], "prompt_length": [3, 3, 4]}
+    mask = prompt_positions(collate(rows, pad_id=0, max_length=16))
+    # row 0: the completion is predicted from position 2 on; rows 1 and 2 have no completion, and a sequence's
+    # last token has no feature (the data stage never feeds it)
+    assert mask.tolist() == [[True, True, False, False, False, False], [True, True, False, False, False, False],
+                             [True, True, True, False, False, False]]
+
+
+def test_the_prompt_term_is_the_same_divergence_at_the_prompts_positions(target):
+    """feature_loss(w) = feature_loss(0) + w x feature_loss(0) scored at the prompt's positions instead."""
+    from train.distill import TrainConfig, collate
+    from train.feature_train import feature_loss, prompt_positions, target_features, teacher_head
+
+    draft = FeatureDraft.from_target(target, [-1])
+    gen = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (12, 9)]
+    batch = collate({"input_ids": seqs, "prompt_length": [5, 4]}, pad_id=0, max_length=32)
+    features = target_features(target, batch["input_ids"], batch["attention_mask"])
+    head = draft.lm_head
+    cfg = TrainConfig(draft="feature", teacher="online", feature_steps=2, feature_regression_weight=0.0)
+
+    def loss(c, b):
+        return float(feature_loss(c, draft, head, b, features, teacher_head(target.lm_head, None), None))
+
+    as_completion = {**batch, "loss_mask": prompt_positions(batch)}
+    expected = loss(cfg, batch) + 0.25 * loss(cfg, as_completion)
+    assert loss(dataclasses.replace(cfg, prompt_loss_weight=0.25), batch) == pytest.approx(expected, rel=1e-5)
+    assert loss(cfg, as_completion) > 0  # the prompt term is not empty here
 
 
 def test_specdec_eval_runs_a_feature_draft_and_predicts_its_tau_exactly(tiny_checkpoints, tmp_path):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -162,6 +163,10 @@ def test_max_minutes_stops_early_with_the_schedule_ending_there(workspace, tmp_p
     checkpoint = tmp_path / "run" / "checkpoints" / f"step-{summary['steps']}"
     scheduler = torch.load(checkpoint / "custom_checkpoint_0.pkl", weights_only=False)  # registered for checkpointing
     assert scheduler["lr_lambdas"][0]["end"] == summary["steps"] and scheduler["_last_lr"] == [0.0]
+    # A resume counts the earlier run's time (train_seconds in the checkpoint) and keeps the end it reached.
+    distill.run(dataclasses.replace(cfg, resume_from="latest"))
+    again = json.loads((tmp_path / "run" / "train_summary.json").read_text())
+    assert again["steps"] == summary["steps"] and again["train_minutes"] > summary["train_minutes"]
 
 
 def test_offline_topn_reduced_vocab_jsd(workspace, tmp_path):

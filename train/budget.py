@@ -47,6 +47,10 @@ class TimeBudget:
         self.loop_first_step = 0
         self.last_eval_seconds = 0.0
 
+    def resume(self, spent_seconds: float) -> None:
+        """Count the seconds that earlier runs of this training spent (from the checkpoint resumed)."""
+        self.before = spent_seconds
+
     def spent(self) -> float:
         """Seconds of this training so far, earlier runs included."""
         return self.before + self.clock() - self.started

@@ -350,9 +350,9 @@ class TransformersBackend:
             ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
             mask[row, width - len(p):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
-        with contextlib.ExitStack() as stack:
-            recorder = stack.enter_context(FeatureRecorder(self.model, self.cfg.feature_aux_layers, history=True)) \
-                if self.cfg.record_features else None
+        recording = FeatureRecorder(self.model, self.cfg.feature_aux_layers, history=True) \
+            if self.cfg.record_features else contextlib.nullcontext()
+        with recording as recorder:
             out = target_generate(self.model, ids, mask, sampling=self.sampling,
                                   max_new_tokens=self.cfg.max_new_tokens, eos_token_id=self.eos or None,
                                   generator=generator, pad_token_id=self.pad, top_logprobs=self.cfg.top_logprobs)

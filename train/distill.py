@@ -80,6 +80,10 @@ class TrainConfig:
     # Target layers whose outputs the draft reads besides the final feature (EAGLE-3's fused low/middle/high
     # features), e.g. [1, 14, 26] of a 30-layer target; [] = the final feature only.
     feature_aux_layers: list[int] = field(default_factory=list)
+    # Also distil at the prompt's positions, weighted so (draft=feature, teacher=online): the target's
+    # distribution there comes from the same features at no extra target forward, and prompts add text,
+    # and topics, that the completions alone do not. 0 = completion positions only.
+    prompt_loss_weight: float = 0.0
     # teacher signal and loss
     teacher: str = "online"  # online | offline | on_policy
     loss: str = "fkl"  # fkl | rkl | jsd | tvd | ce
@@ -154,6 +158,12 @@ class TrainConfig:
                 raise ValueError("feature_steps must be >= 1 and feature_regression_weight >= 0")
         elif self.feature_aux_layers:
             raise ValueError("feature_aux_layers is for draft=feature (a token-only draft reads no target features)")
+        if self.prompt_loss_weight < 0:
+            raise ValueError(f"prompt_loss_weight must be >= 0, got {self.prompt_loss_weight}")
+        if self.prompt_loss_weight and (self.draft != FEATURE or self.teacher != "online" or self.loss == "ce"):
+            raise ValueError("prompt_loss_weight needs draft=feature, teacher=online and a divergence loss: only "
+                             "then is the target's distribution at prompt positions at hand (its features give it); "
+                             "set prompt_loss_weight=0 otherwise")
         if self.lora and self.draft in (DERIVED, SCRATCH):
             log.warning("lora=true on a %s draft: usually a full fine-tune is better for new layer stacks", self.draft)
 
@@ -224,6 +234,34 @@ def load_data(cfg: TrainConfig):
 def sample_id(rows: dict, i: int) -> str:
     """A sample's identity: prompt_id/sample_index/turn."""
     return f"{rows['prompt_id'][i]}/{rows['sample_index'][i]}/{rows['turn'][i]}"
+
+
+def preload_folder(cache, folder: str | Path, aux_layers: list[int], max_length: int) -> int:
+    """Read into a feature draft's `FeatureCache` the target features the data stage recorded in `folder`
+    (`record_features=true` with the same aux_layers), so that they cost no target forward. Returns how many
+    samples it read (0 when the folder has none, or other layers: they are then computed in the loop)."""
+    from train.data import read_manifest, recorded_features
+
+    recorded = read_manifest(folder).get("features")
+    if not recorded:
+        log.info("%s has no recorded target features: computing them in the loop (specdec data "
+                 "record_features=true would spare that)", folder)
+        return 0
+    if list(recorded["aux_layers"]) != list(aux_layers):
+        log.warning("%s recorded features with feature_aux_layers=%s, the draft reads %s: computing them in "
+                    "the loop", folder, recorded["aux_layers"], list(aux_layers))
+        return 0
+    kept = sum(cache.preload(((sample_id(cols, i), cols["input_ids"][i], f) for i, f in enumerate(feats)),
+                             max_length) for cols, feats in recorded_features(folder))
+    log.info("read the target's recorded features of %d samples from %s", kept, folder)
+    return kept
+
+
+def preload_features(cache, cfg: TrainConfig) -> None:
+    """`preload_folder` for every training and held-out folder of the run."""
+    train_paths, heldout_path = data_folders(cfg)
+    for folder in train_paths + ([heldout_path] if heldout_path else []):
+        preload_folder(cache, folder, cfg.feature_aux_layers, cfg.max_length)
 
 
 def epoch_batches(lengths: list[int], global_batch: int, seed: int, epoch: int, bucket: bool) -> list[list[int]]:
@@ -434,27 +472,6 @@ def evaluate(model, target, items: list[dict], cfg: TrainConfig, pad_id: int, id
 # ---- checkpoints -----------------------------------------------------------------------------------------
 
 
-def preload_features(cache, cfg: TrainConfig) -> None:
-    """Read in the target features the data stage recorded for a feature draft (`record_features=true` with the
-    same feature_aux_layers), so that training runs no target forward for them."""
-    from train.data import read_manifest, recorded_features
-
-    train_paths, heldout_path = data_folders(cfg)
-    for folder in train_paths + ([heldout_path] if heldout_path else []):
-        recorded = read_manifest(folder).get("features")
-        if not recorded:
-            log.info("%s has no recorded target features: computing them in the loop (specdec data "
-                     "record_features=true would spare that)", folder)
-            continue
-        if list(recorded["aux_layers"]) != list(cfg.feature_aux_layers):
-            log.warning("%s recorded features with feature_aux_layers=%s, the draft reads %s: computing them in "
-                        "the loop", folder, recorded["aux_layers"], cfg.feature_aux_layers)
-            continue
-        kept = sum(cache.preload(((sample_id(cols, i), cols["input_ids"][i], f) for i, f in enumerate(feats)),
-                                 cfg.max_length) for cols, feats in recorded_features(folder))
-        log.info("read the target's recorded features of %d samples from %s", kept, folder)
-
-
 def latest_checkpoint(root: Path) -> Path | None:
     """The complete checkpoint with the highest step under `root` (a trainer_state.json marks it complete)."""
     done = [p for p in root.glob("step-*") if p.is_dir() and (p / "trainer_state.json").is_file()
@@ -642,7 +659,7 @@ def run(cfg: TrainConfig) -> Path:
         accelerator.load_state(str(ckpt))
         state = json.loads((ckpt / "trainer_state.json").read_text())
         start_step, best = state["step"], state["best"]
-        budget.before = state.get("train_seconds", 0.0)
+        budget.resume(state.get("train_seconds", 0.0))
         log.info("resumed from %s at step %d", ckpt, start_step)
     schedule_end = scheduler.lr_lambdas[0]
     # Under a time budget the end reached so far came back with the checkpoint; otherwise max_steps sets it (and

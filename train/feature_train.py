@@ -175,33 +175,52 @@ def teacher_head(target_head: torch.nn.Module, id_map: torch.Tensor | None) -> t
     return rows.requires_grad_(False)
 
 
+def prompt_positions(batch: dict) -> torch.Tensor:
+    """[B, S] bool: the prompt's positions j whose feature f_j is known (the teacher there: the draft at j - 1 reads
+    (f_{j-1}, x_j) and proposes x_{j+1}), i.e. real tokens before the first completion position, not the last one."""
+    real = batch["attention_mask"].bool()
+    before_completion = batch["loss_mask"].long().cumsum(1) == 0
+    not_last = F.pad(real[:, 1:], (0, 1), value=False)
+    return real & before_completion & not_last
+
+
 def feature_loss(cfg, draft, head, batch: dict, features: torch.Tensor, target_head, inv_map) -> torch.Tensor:
     """Mean over unrolled blocks of the configured divergence (+ ce_weight x cross-entropy) at the scored
-    positions, plus feature_regression_weight x smooth-L1 between predicted and true next features.
+    positions, plus feature_regression_weight x smooth-L1 between predicted and true next features; plus
+    `cfg.prompt_loss_weight` x the divergence at the prompt's positions (online teacher only: no stored top-n
+    there, and the prompt's tokens are not the target's, so no cross-entropy on them).
     `target_head`: the online teacher's head over the draft's ids (`teacher_head`), or None for the stored top-n."""
     outs = unrolled(draft, batch["input_ids"], features, batch["attention_mask"], cfg.feature_steps)
     scored = batch["loss_mask"][:, 1:].bool()  # draft position t proposes the token target position t + 1 predicts
+    in_prompt = prompt_positions(batch)[:, 1:] if cfg.prompt_loss_weight else None
     position = torch.arange(scored.shape[1], device=scored.device)[None]
     true_next = features[:, 1:, : outs[0].shape[-1]]  # the final feature (before any auxiliary ones): the draft's aim
+
+    def divergence(mask, student):
+        if target_head is not None:  # online: the target's own head on its true features
+            teacher = target_head(true_next[mask].to(target_head.weight.dtype)).float()
+        else:
+            teacher = losses.dense_teacher_logits(batch["top_ids"][:, 1:][mask], batch["top_logprobs"][:, 1:][mask],
+                                                  student.shape[-1], inv_map)
+        return losses.distill_loss(cfg.loss, *losses.with_teacher_mass(student, teacher), None, cfg.beta,
+                                   cfg.temperature)
+
     total = 0.0
     for block, hidden in enumerate(outs, start=1):
-        mask = scored & (position >= block - 1)  # block j at t belongs to a round starting at t - (j - 1) >= 0
+        reachable = position >= block - 1  # block j at t belongs to a round starting at t - (j - 1) >= 0
+        mask = scored & reachable
         student = head(hidden[mask]).float()
         loss = cfg.feature_regression_weight * F.smooth_l1_loss(hidden[mask].float(), true_next[mask])
         if cfg.loss != "ce":
-            if target_head is not None:  # online: the target's own head on its true features
-                teacher = target_head(true_next[mask].to(target_head.weight.dtype)).float()
-            else:
-                teacher = losses.dense_teacher_logits(batch["top_ids"][:, 1:][mask], batch["top_logprobs"][:, 1:][mask],
-                                                      student.shape[-1], inv_map)
-            loss = loss + losses.distill_loss(cfg.loss, *losses.with_teacher_mass(student, teacher), None, cfg.beta,
-                                              cfg.temperature)
+            loss = loss + divergence(mask, student)
         if cfg.loss == "ce" or cfg.ce_weight > 0:
             labels = batch["labels"][:, 1:][mask]  # x_{t+2}
             labels = labels if inv_map is None else inv_map[labels]
             valid = (labels >= 0) & (labels < student.shape[-1])
             ce = losses.cross_entropy(student, labels.clamp(min=0), valid)
             loss = loss + (ce if cfg.loss == "ce" else cfg.ce_weight * ce)
+        if in_prompt is not None and bool((prompt := in_prompt & reachable).any()):
+            loss = loss + cfg.prompt_loss_weight * divergence(prompt, head(hidden[prompt]).float())
         total = total + loss
     return total / len(outs)
 
