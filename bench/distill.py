@@ -85,9 +85,10 @@ def score(result: dict, heldouts: list[str], target: str) -> dict:
         items = [ds[i] for i in range(len(ds))]
         if feature:
             preload_folder(features_of, folder, model.aux_layers, cfg.max_length)
+            size = cfg.eval_batch_size
             chunks = (([sample_id(rows, i) for i in range(len(rows["input_ids"]))], collate(rows, 0, cfg.max_length))
-                      for rows in ({k: [r.get(k) for r in items[s:s + 16]] for k in items[0]}
-                                   for s in range(0, len(items), 16)))
+                      for rows in ({k: [r.get(k) for r in items[s:s + size]] for k in items[0]}
+                                   for s in range(0, len(items), size)))
             with torch.no_grad():
                 metrics = feature_train.evaluate_feature_draft(model, model.get_output_embeddings(), features_of,
                                                                chunks, cfg.eval_k, id_map)

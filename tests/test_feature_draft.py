@@ -313,7 +313,7 @@ def test_feature_draft_config_errors():
         TrainConfig(draft="feature", prompt_loss_weight=-1)
 
 
-def test_prompt_positions_are_the_prompts_tokens_with_a_known_next_feature():
+def test_prompt_positions_are_the_prompts_tokens_whose_feature_is_known():
     from train.distill import collate
     from train.feature_train import prompt_positions
 
