@@ -70,7 +70,7 @@ class EvalConfig:
     max_memory_overhead: float = 0.2  # memory overhead allowed beyond the draft's weights, as a fraction of them
     recommend_by: str = "speedup"  # speedup | tokens_per_s | latency_p50 | latency_p95
     plot_format: str = "png"
-    cost_repeats: int = 10  # cached forwards timed per model to measure the cost ratio c and verify cost v
+    cost_repeats: int = 10  # interleaved passes timing one cached forward of each kind, for c and v
     equivalence_samples: int = 256  # sampling only: draws for the short distribution check (0: skip)
     # Candidate k values: before the timed runs, pick the one with the best predicted speedup (see
     # choose_num_draft_tokens) and measure only it; replaces num_draft_tokens. [] = off.
@@ -200,46 +200,62 @@ def _weights_mb(model, shared_with=None) -> float:
                if t.untyped_storage().data_ptr() not in skip) / 2**20
 
 
-def _median_step(model, ids: torch.Tensor, n_new: int, repeats: int) -> float:
-    """Median seconds of a cached forward of n_new tokens after the prompt `ids` [B, L] (cache cut back each time)."""
-    from transformers import DynamicCache
+class _CachedStep:
+    """One kind of timed forward: n_new tokens of `model` after the prompt `ids` [B, L], on its own cache, which
+    is cut back after each call."""
 
-    device = ids.device
-    kwarg = cache_kwarg(model)
-    cache = DynamicCache(config=model.config)
+    def __init__(self, model, ids: torch.Tensor, n_new: int):
+        from transformers import DynamicCache
 
-    def forward(x, **kwargs):
-        if getattr(model, "is_feature_draft", False):  # it also reads a feature per token (values do not matter)
+        self.model, self.n_new = model, n_new
+        self.kwarg = cache_kwarg(model)
+        self.cache = DynamicCache(config=model.config)
+        self._forward(ids, use_cache=True, logits_to_keep=1, **{self.kwarg: self.cache})
+        length = self.cache.get_seq_length()
+        self.x = ids[:, -1:].expand(-1, n_new).contiguous()
+        self.pos = torch.arange(length, length + n_new, device=ids.device)[None].expand(ids.shape[0], -1)
+
+    def _forward(self, x, **kwargs):
+        if getattr(self.model, "is_feature_draft", False):  # it also reads a feature per token (values do not matter)
             kwargs.pop("use_cache")
-            return model(x, x.new_zeros(*x.shape, model.config.hidden_size, dtype=model.dtype), **kwargs)
-        return model(input_ids=x, **kwargs)
+            return self.model(x, x.new_zeros(*x.shape, self.model.config.hidden_size, dtype=self.model.dtype),
+                              **kwargs)
+        return self.model(input_ids=x, **kwargs)
 
-    with torch.inference_mode():
-        forward(ids, use_cache=True, logits_to_keep=1, **{kwarg: cache})
-        length = cache.get_seq_length()
-        x = ids[:, -1:].expand(-1, n_new).contiguous()
-        pos = torch.arange(length, length + n_new, device=device)[None].expand(ids.shape[0], -1)
-        times = []
-        for i in range(repeats + 1):
-            _sync(device)
-            t0 = time.perf_counter()
-            # Draft steps keep one logit row, verification all of them, as the decoder does.
-            forward(x, position_ids=pos, use_cache=True, logits_to_keep=1 if n_new == 1 else 0, **{kwarg: cache})
-            _sync(device)
-            if i:  # the first is a warm-up
-                times.append(time.perf_counter() - t0)
-            cache.crop(-n_new)
-    return statistics.median(times)
+    def __call__(self) -> None:
+        # Draft steps keep one logit row, verification all of them, as the decoder does.
+        self._forward(self.x, position_ids=self.pos, use_cache=True, logits_to_keep=1 if self.n_new == 1 else 0,
+                      **{self.kwarg: self.cache})
+        self.cache.crop(-self.n_new)
 
 
-def measure_costs(target, draft, ids: torch.Tensor, ks: list[int], repeats: int) -> dict:
-    """c = draft step / target step and v(k+1) = verify of k+1 tokens / target step, from cached forwards."""
+def measure_costs(target, draft, ids: torch.Tensor, ks: list[int], repeats: int, clock=time.perf_counter) -> dict:
+    """c = draft step / target step and v(k+1) = verify of k+1 tokens / target step, from cached forwards.
+
+    The kinds of forward are interleaved: each of `repeats` passes times one of every kind, in an order that
+    rotates from pass to pass, so that drift in the machine's speed (shared cores, clock changes) slows every
+    kind alike; each figure is a median over the passes. Timed kind after kind instead, on a 2-core VM, a
+    4-token verification once measured 0.84 of a 1-token step, and choose_k picked k = 3 for a draft that
+    then measured 1.12x (k = 1 gave it 1.21x in another run; interleaved, choose_k picked k = 1: 1.27x)."""
     from specdec.fast_linear import fast_linears
 
-    with fast_linears(target, draft):  # the layers the decoders use
-        t1 = _median_step(target, ids, 1, repeats)
-        d1 = _median_step(draft, ids, 1, repeats)
-        verify = {k: _median_step(target, ids, k + 1, repeats) for k in ks}
+    device = ids.device
+    with torch.inference_mode(), fast_linears(target, draft):  # the layers the decoders use
+        steps = {"target": _CachedStep(target, ids, 1), "draft": _CachedStep(draft, ids, 1),
+                 **{k: _CachedStep(target, ids, k + 1) for k in ks}}
+        order = list(steps)
+        for step in steps.values():  # warm-up
+            step()
+        times: dict = {name: [] for name in order}
+        for i in range(repeats):
+            for name in order[i % len(order):] + order[: i % len(order)]:
+                _sync(device)
+                t0 = clock()
+                steps[name]()
+                _sync(device)
+                times[name].append(clock() - t0)
+    t1, d1 = statistics.median(times["target"]), statistics.median(times["draft"])
+    verify = {k: statistics.median(times[k]) for k in ks}
     return {"target_step_ms": 1e3 * t1, "draft_step_ms": 1e3 * d1, "c": d1 / t1,
             "verify_ms": {str(k): 1e3 * s for k, s in verify.items()},
             "v": {str(k): s / t1 for k, s in verify.items()}}

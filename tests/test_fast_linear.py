@@ -4,10 +4,10 @@ import pytest
 import torch
 from conftest import tiny_llama
 
-from specdec.fast_linear import MAX_HEAD_ROWS, MAX_ROWS, fast_linears, linear_forward
+from specdec.fast_linear import MAX_HEAD_ROWS, MAX_ROWS, PAD_ROWS, fast_linears, linear_forward
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, MAX_ROWS, MAX_ROWS + 1, MAX_HEAD_ROWS + 1, 40])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, MAX_ROWS, MAX_ROWS + 1, MAX_HEAD_ROWS + 1, 40])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_forward_equals_linear(rows, bias):
     torch.manual_seed(rows)
@@ -95,3 +95,21 @@ def test_the_decoders_use_the_fast_path_and_restore_it(monkeypatch):
     assert torch.equal(out.sequences, ref.sequences)
     assert 4 in calls  # a verification forward of k + 1 rows went through the fast path
     assert _patched(target) == [] and _patched(draft) == []
+
+
+@pytest.mark.parametrize("rows", [1, 3, 7])
+def test_slow_row_counts_are_computed_padded_to_the_next_even_one(rows, monkeypatch):
+    """1, 3 and 7 rows take a slower BLAS kernel than 2, 4 and 8 (PAD_ROWS): the product runs on the padded
+    rows, and only the real ones come back."""
+    widths, matmul = [], torch.matmul
+
+    def recording(a, b):
+        widths.append(b.shape[-1])
+        return matmul(a, b)
+
+    monkeypatch.setattr(torch, "matmul", recording)
+    layer = torch.nn.Linear(16, 40)
+    x = torch.randn(rows, 16)
+    out = linear_forward(layer, x)
+    assert widths == [PAD_ROWS[rows]] and out.shape == (rows, 40)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
