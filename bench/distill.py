@@ -10,6 +10,12 @@ machine's two cores), so their wall-clock minutes compare with each other but no
 Each final draft is then scored teacher-forced on every held-out folder (all rows): greedy top-1 agreement
 with the target and the simulated mean accepted tokens tau(k) for k = 1..8 (exact for greedy decoding: the
 draft sees the target's own prefix at every position). Prints a markdown table and writes results.jsonl.
+`--base recipe` trains every variant on the recipe's own settings instead of BASE, e.g. the feature draft:
+
+    python bench/distill.py --recipe recipes/smollm2-135m-feature.yaml --base recipe \
+        --train-data runs/smollm2-135m-feature/data --heldout embedded=runs/smollm2-135m-feature/data_heldout \
+        --steps 400 --variants fkl tvd jsd ce fkl_ce --set max_minutes=null save_every=0 best_k=1
+
 `--score NAME=DIR ...` scores drafts already trained (plain or feature-conditioned) instead:
 
     python bench/distill.py --score demo=outputs/demo/draft --heldout embedded=runs/heldout/data \\
@@ -33,6 +39,8 @@ VARIANTS = {
     "tvd": ["loss=tvd"],
     "jsd": ["loss=jsd", "beta=0.5"],
     "rkl": ["loss=rkl"],
+    "ce": ["loss=ce"],
+    "fkl_ce": ["ce_weight=1.0"],
     "online": ["teacher=online"],
     "on_policy": ["teacher=on_policy", "on_policy_fraction=0.5"],
     "depth2": ["draft_layers=0,29"],
@@ -50,7 +58,7 @@ def train(name: str, args, out_root: Path) -> dict:
     out = out_root / name
     cmd = [sys.executable, "-m", "specdec.cli", "train", "--config", args.recipe, f"train_data={args.train_data}",
            f"output_dir={out}", f"max_steps={args.steps}", f"heldout_data={args.heldout[0].split('=', 1)[1]}",
-           *BASE, *VARIANTS[name], *args.set]
+           *(BASE if args.base == "plain" else []), *VARIANTS[name], *args.set]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     start = time.perf_counter()
     with open(out_root / f"{name}.log", "w") as log:
@@ -123,6 +131,9 @@ def main() -> None:
                         help="LABEL=FOLDER of held-out generated data; repeatable (the first is also the "
                              "trainer's own held-out split)")
     parser.add_argument("--variants", nargs="+", default=["fkl", "tvd", "jsd"], choices=sorted(VARIANTS))
+    parser.add_argument("--base", choices=["plain", "recipe"], default="plain",
+                        help="plain: BASE's overrides under every variant (an offline forward-KL draft from target "
+                             "layers 0, 1, 29); recipe: the recipe's own train settings")
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--parallel", type=int, default=2, help="variants trained at once")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per variant")
@@ -145,7 +156,8 @@ def main() -> None:
     results = [score(r, args.heldout, args.target) for r in trained]
     with open(out_root / "results.jsonl", "a") as f:
         for r in results:
-            f.write(json.dumps({**r, "steps": None if args.score else args.steps, "base": BASE, "set": args.set}) + "\n")
+            f.write(json.dumps({**r, "steps": None if args.score else args.steps, "recipe": args.recipe,
+                                "base": BASE if args.base == "plain" else "recipe", "set": args.set}) + "\n")
     labels = [h.split("=", 1)[0] for h in args.heldout]
     if not args.score:
         print(f"{args.steps} optimizer steps per variant, {args.parallel} at once x {args.threads} thread(s)")
