@@ -1,4 +1,5 @@
-"""Unit tests of eval's pure pieces: metrics, the decision, greedy equivalence and the statistics of verify."""
+"""Unit tests of eval's pure pieces: metrics, the decision, greedy equivalence, the statistics of verify and how
+the cost ratios are timed."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import math
 
 import pytest
 import torch
+from conftest import tiny_llama
 
 from eval import decision, equivalence, metrics
+from eval.runner import measure_costs
 from eval.verify import chi2_sf, goodness_of_fit, homogeneity, pool_cells, tv_tolerance
 
 
@@ -171,10 +174,6 @@ class _DriftingClock:
 def test_measure_costs_interleaves_forwards_so_drift_hits_every_kind_alike():
     """Timed kind after kind, this drift made v(5) 1.76 for a true 1.36 (on a real VM it once made a 4-token
     verification cost 0.84 of a one-token step); interleaved, every ratio stays within 5% of the true one."""
-    from conftest import tiny_llama
-
-    from eval.runner import measure_costs
-
     target, draft, clock = tiny_llama(seed=0), tiny_llama(seed=1, layers=1), _DriftingClock()
     clock.charge(target, base=10.0, per_token=1.0)
     clock.charge(draft, base=2.0, per_token=0.0)
