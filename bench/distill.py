@@ -14,7 +14,7 @@ draft sees the target's own prefix at every position). Prints a markdown table a
 
     python bench/distill.py --recipe recipes/smollm2-135m-feature.yaml --base recipe \
         --train-data runs/smollm2-135m-feature/data --heldout embedded=runs/smollm2-135m-feature/data_heldout \
-        --steps 400 --variants fkl tvd jsd ce fkl_ce --set max_minutes=null save_every=0 best_k=1
+        --steps 400 --variants fkl offline late2 vocab8192 --set max_minutes=null save_every=0 best_k=1
 
 `--score NAME=DIR ...` scores drafts already trained (plain or feature-conditioned) instead:
 
@@ -42,11 +42,14 @@ VARIANTS = {
     "ce": ["loss=ce"],
     "fkl_ce": ["ce_weight=1.0"],
     "online": ["teacher=online"],
+    "offline": ["teacher=offline"],
     "on_policy": ["teacher=on_policy", "on_policy_fraction=0.5"],
     "depth2": ["draft_layers=0,29"],
     "depth4": ["draft_layers=0,1,2,29"],
     "depth6": ["draft_layers=0,1,2,3,4,29"],
+    "late2": ["draft_layers=28,29"],  # a two-layer feature draft (the feature recipe's one layer is 29)
     "vocab4096": ["draft_vocab_size=4096"],
+    "vocab8192": ["draft_vocab_size=8192"],
     "vocab16384": ["draft_vocab_size=16384"],
     "full_head": ["draft_vocab_size=0"],
 }
