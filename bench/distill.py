@@ -155,7 +155,7 @@ def main() -> None:
             trained = list(pool.map(lambda n: train(n, args, out_root), args.variants))
     import torch
 
-    torch.set_num_threads(args.threads * args.parallel)  # scoring runs alone
+    torch.set_num_threads(min(args.threads * args.parallel, os.cpu_count() or 1))  # scoring runs alone
     results = [score(r, args.heldout, args.target) for r in trained]
     with open(out_root / "results.jsonl", "a") as f:
         for r in results:
