@@ -3,13 +3,21 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo demo-quick test test-fast lint bench clean
+.PHONY: setup vllm-env demo demo-quick test test-fast lint bench clean
 
 $(BIN)/specdec: pyproject.toml
 	bash scripts/setup.sh $(VENV)
 	@touch $@
 
 setup: $(BIN)/specdec
+
+# The serving engine's own environment (vLLM pins its own torch and transformers): specdec reaches it across a
+# process boundary only (specdec/vllm_env.py).
+VLLM_VENV ?= .venv-vllm
+$(VLLM_VENV)/bin/vllm:
+	bash scripts/setup_vllm.sh $(VLLM_VENV)
+
+vllm-env: $(VLLM_VENV)/bin/vllm
 
 demo: setup
 	$(BIN)/specdec demo
@@ -30,4 +38,4 @@ bench: setup
 	$(BIN)/python bench/decode.py
 
 clean:
-	rm -rf $(VENV) outputs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) outputs .pytest_cache
