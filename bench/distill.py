@@ -10,13 +10,13 @@ machine's two cores), so their wall-clock minutes compare with each other but no
 Each final draft is then scored teacher-forced on every held-out folder (all rows): greedy top-1 agreement
 with the target and the simulated mean accepted tokens tau(k) for k = 1..8 (exact for greedy decoding: the
 draft sees the target's own prefix at every position). Prints a markdown table and writes results.jsonl.
-`--base recipe` trains every variant on the recipe's own settings instead of BASE, e.g. the feature draft:
+`--base recipe` trains every variant on the recipe's own settings instead of BASE, e.g. the EAGLE-3 draft:
 
-    python bench/distill.py --recipe recipes/smollm2-135m-feature.yaml --base recipe \
-        --train-data runs/smollm2-135m-feature/data --heldout embedded=runs/smollm2-135m-feature/data_heldout \
-        --steps 400 --variants fkl offline late2 vocab8192 --set max_minutes=null save_every=0 best_k=1
+    python bench/distill.py --recipe recipes/smollm2-135m-eagle3.yaml --base recipe \
+        --train-data runs/smollm2-135m-eagle3/data --heldout embedded=runs/smollm2-135m-eagle3/data_heldout \
+        --steps 400 --variants ttt1 ttt3 ttt5 --set max_minutes=null save_every=0
 
-`--score NAME=DIR ...` scores drafts already trained (plain or feature-conditioned) instead:
+`--score NAME=DIR ...` scores drafts already trained (plain or EAGLE-3) instead:
 
     python bench/distill.py --score demo=outputs/demo/draft --heldout embedded=runs/heldout/data \\
         --heldout spec-bench=runs/specbench/data
@@ -47,11 +47,14 @@ VARIANTS = {
     "depth2": ["draft_layers=0,29"],
     "depth4": ["draft_layers=0,1,2,29"],
     "depth6": ["draft_layers=0,1,2,3,4,29"],
-    "late2": ["draft_layers=28,29"],  # a two-layer feature draft (the feature recipe's one layer is 29)
     "vocab4096": ["draft_vocab_size=4096"],
     "vocab8192": ["draft_vocab_size=8192"],
     "vocab16384": ["draft_vocab_size=16384"],
     "full_head": ["draft_vocab_size=0"],
+    # EAGLE-3 drafts (--recipe recipes/smollm2-135m-eagle3.yaml --base recipe): training-time test depth
+    "ttt1": ["ttt_steps=1"],
+    "ttt3": ["ttt_steps=3"],
+    "ttt5": ["ttt_steps=5"],
 }
 BASE = ["draft_layers=0,1,29", "draft_vocab_size=8192", "teacher=offline", "loss=fkl", "learning_rate=1e-3",
         "warmup_steps=15", "freeze_embeddings=true", "per_device_batch_size=16", "save_every=0", "eval_every=0"]
@@ -71,41 +74,33 @@ def train(name: str, args, out_root: Path) -> dict:
 
 
 def score(result: dict, heldouts: list[str], target: str) -> dict:
-    """Teacher-forced agreement and simulated tau of the final draft on each held-out folder (all rows); a
-    feature draft reads the target's features there (recorded by the data stage, else computed)."""
-    import contextlib
-
+    """Teacher-forced agreement and simulated tau of the final draft on each held-out folder (all rows), replayed
+    as the decoder proposes for its kind (specdec/replay.py); an EAGLE-3 draft reads the target's states there."""
     import torch
 
-    from specdec.feature_draft import FeatureDraft
+    from specdec import replay
     from specdec.models import load_model
-    from specdec.vocab import draft_to_target_map
-    from train import feature_train
-    from train.distill import TrainConfig, collate, evaluate, load_split, preload_folder, sample_id
+    from train.batches import collate, load_split
+    from train.distill import TrainConfig
 
     model = load_model(result["draft"], dtype="float32", device="cpu").eval()
-    id_map = draft_to_target_map(model)
+    reads_target = hasattr(model, "read_target")
+    target_model = load_model(target, dtype="float32", device="cpu") if reads_target else None
     cfg = TrainConfig(eval_batch_size=16)
-    feature = isinstance(model, FeatureDraft)
-    if feature:
-        features_of = feature_train.FeatureCache(load_model(target, dtype="float32", device="cpu"),
-                                                 contextlib.nullcontext, model.aux_layers)
+    ks = cfg.eval_k
     for spec in heldouts:
         label, folder = spec.split("=", 1)
         ds = load_split(folder)
-        items = [ds[i] for i in range(len(ds))]
-        if feature:
-            preload_folder(features_of, folder, model.aux_layers, cfg.max_length)
-            size = cfg.eval_batch_size
-            chunks = (([sample_id(rows, i) for i in range(len(rows["input_ids"]))], collate(rows, 0, cfg.max_length))
-                      for rows in ({k: [r.get(k) for r in items[s:s + size]] for k in items[0]}
-                                   for s in range(0, len(items), size)))
-            with torch.no_grad():
-                metrics = feature_train.evaluate_feature_draft(model, model.get_output_embeddings(), features_of,
-                                                               chunks, cfg.eval_k, id_map)
-        else:
-            metrics = evaluate(model, None, items, cfg, 0, id_map, torch.device("cpu"))
-        result[label] = {"agreement": metrics["agreement"], "tau": metrics["tau"], "positions": metrics["positions"]}
+        runs = []
+        with torch.no_grad():
+            for s in range(0, len(ds), cfg.eval_batch_size):
+                batch = collate(ds[s:s + cfg.eval_batch_size], 0, cfg.max_length)
+                ids, mask, scored = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+                states = replay.target_states(model, target_model, ids, mask)
+                runs += replay.replay_runs(model, ids, mask, scored, max(ks), states)
+        flat = [r for row in runs for r in row]
+        result[label] = {"agreement": sum(r >= 1 for r in flat) / max(len(flat), 1),
+                         "tau": replay.tau_from_runs(runs, ks), "positions": len(flat)}
     return result
 
 
@@ -129,7 +124,7 @@ def main() -> None:
     parser.add_argument("--score", nargs="+", metavar="NAME=DIR",
                         help="score these trained drafts instead of training variants")
     parser.add_argument("--target", default="embedded:smollm2-135m-instruct",
-                        help="the target whose features a feature draft reads")
+                        help="the target whose hidden states an EAGLE-3 draft reads")
     parser.add_argument("--heldout", action="append", required=True,
                         help="LABEL=FOLDER of held-out generated data; repeatable (the first is also the "
                              "trainer's own held-out split)")

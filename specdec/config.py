@@ -216,3 +216,45 @@ def config_from_cli(cls: type[T], argv: list[str], section: str | None) -> T:
 def to_dict(cfg: Any) -> dict[str, Any]:
     """A dataclass config as a plain dict (for logs, reports and checkpoints)."""
     return dataclasses.asdict(cfg)
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    """Each field's comment in the class source: the one after it on its line, else the lines just above it."""
+    import inspect
+    import re
+
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return {}
+    comments, above = {}, []
+    for line in source.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            above.append(stripped.lstrip("# ").rstrip())
+            continue
+        match = re.match(r"\s+(\w+)\s*:[^=]*(=.*)?$", line)
+        if match:
+            inline = line.split("  # ", 1)[1].strip() if "  # " in line else ""
+            # A one-line comment above a field without a full stop heads a group of keys ("# optimisation").
+            block = " ".join(above) if len(above) > 1 or (above and above[-1].endswith(".")) else ""
+            comments[match.group(1)] = inline or block
+        above = []
+    return comments
+
+
+def help_text(cls: type, usage: str, title: str) -> str:
+    """A subcommand's `--help`, generated from its config dataclass: each key, its default and its comment."""
+    comments = _field_comments(cls)
+    lines = [f"usage: {usage}", "", f"{title}:"]
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            default = repr(f.default)
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            default = repr(f.default_factory())  # type: ignore[misc]
+        else:
+            default = "(required)"
+        note = comments.get(f.name, "")
+        lines.append(f"  {f.name} = {default}" + (f"    # {note}" if note else ""))
+    lines += ["", "Set any of them as key=value, --key value (--flag for true), or in the recipe's section."]
+    return "\n".join(lines)

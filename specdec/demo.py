@@ -1,12 +1,11 @@
 """`specdec demo`: the embedded default end to end, on a CPU, with no download.
 
-    specdec demo            # recipes/smollm2-135m-feature.yaml  (full: tens of minutes on 2 cores)
+    specdec demo            # recipes/smollm2-135m-eagle3.yaml  (full: tens of minutes on 2 cores)
     specdec demo --quick    # recipes/smollm2-135m-quick.yaml    (a few minutes: proves the pipeline)
     specdec demo recipe=recipes/smollm2-135m.yaml   # a plain draft, loadable by transformers / vLLM / SGLang
 
-The full demo's draft is feature-conditioned (EAGLE-style, one layer at about 1/17 of the target's step): on a
-CPU it beats the six-layer plain draft clearly (1.21x against 1.03x on a 2-core AVX2 CPU, same budget), but
-runs in specdec's decoder only.
+The full demo's draft is an EAGLE-3 draft (one layer reading three of the target's hidden states), which vLLM
+and SGLang serve unchanged; on a CPU a one-layer draft is also what speculation can afford (docs/results/).
 
 Stages: target-generated data from the shipped prompt set -> a draft derived from the target and distilled on
 it -> evaluation against the target alone on the held-out prompts -> a published checkpoint with its model
@@ -42,14 +41,14 @@ class DemoConfig:
     """Options of `specdec demo` (section `demo:` of the recipe it runs)."""
 
     quick: bool = False
-    recipe: str = ""  # default: recipes/smollm2-135m-feature.yaml, or smollm2-135m-quick.yaml with --quick
+    recipe: str = ""  # default: recipes/smollm2-135m-eagle3.yaml, or smollm2-135m-quick.yaml with --quick
     output_dir: str = "outputs/demo"
     eval_prompts: str = "embedded:heldout"
     eval_num_prompts: int | None = None  # default: 8 with --quick, else 24
     fresh: bool = False  # ignore completed stages and redo everything
     minutes: float = 0.0  # time budget of the whole demo; 0 = 45, or 5 with --quick
-    # Data generation starts no shard that would end past this share of the budget. Data is the scarcer: a
-    # feature draft on recorded features trains 4x faster than the target decodes its data.
+    # Data generation starts no shard that would end past this share of the budget. Data is the scarcer: an
+    # EAGLE-3 draft on recorded states trains faster than the target decodes its data.
     data_share: float = 0.6
 
     def __post_init__(self) -> None:
@@ -63,7 +62,7 @@ class DemoConfig:
     def recipe_path(self) -> Path:
         if self.recipe:
             return Path(self.recipe)
-        return RECIPES / ("smollm2-135m-quick.yaml" if self.quick else "smollm2-135m-feature.yaml")
+        return RECIPES / ("smollm2-135m-quick.yaml" if self.quick else "smollm2-135m-eagle3.yaml")
 
 
 def _stage(name: str, index: int, total: int = 4) -> float:
@@ -75,9 +74,10 @@ def run(cfg: DemoConfig) -> dict:
     """Run the four stages and return the evaluation report."""
     from eval.runner import EvalConfig
     from eval.runner import run as run_eval
+    from train.checkpoints import latest_checkpoint
     from train.data import DataConfig, read_manifest
     from train.data import run as run_data
-    from train.distill import TrainConfig, latest_checkpoint
+    from train.distill import TrainConfig
     from train.distill import run as run_train
     from train.publish import PublishConfig, publish
 

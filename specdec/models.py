@@ -18,9 +18,7 @@ from pathlib import Path
 
 import torch
 
-from specdec import vocab
-from specdec.feature_draft import CONFIG_FLAG as FEATURE_FLAG
-from specdec.feature_draft import FeatureDraft, is_feature_draft_dir
+from specdec import eagle3, vocab
 
 log = logging.getLogger(__name__)
 
@@ -138,16 +136,16 @@ def _declared_reduced_vocab(path: str) -> int | None:
 
 
 def _local_reduced_draft(name: str) -> str | None:
-    """A Hub-hosted reduced-vocabulary or feature draft (specdec formats), downloaded whole so that its id map
-    and weights can be read; None for anything else."""
+    """A Hub-hosted draft that AutoModelForCausalLM cannot load (a reduced-vocabulary head, an EAGLE-3 draft),
+    downloaded whole so that its id map and weights can be read; None for anything else."""
     if Path(name).exists():
         return None
     try:
         from huggingface_hub import hf_hub_download, snapshot_download
 
         config = json.loads(Path(hf_hub_download(name, "config.json")).read_text())
-        specdec_only = vocab.CONFIG_KEY in config or config.get(FEATURE_FLAG)
-        return snapshot_download(name) if specdec_only else None
+        own_loader = vocab.CONFIG_KEY in config or eagle3.is_eagle3_config(config)
+        return snapshot_download(name) if own_loader else None
     except Exception:  # noqa: BLE001 - offline or not a Hub repo: from_pretrained reports the real error
         return None
 
@@ -170,14 +168,15 @@ def _load_reduced(path: str, dtype: torch.dtype) -> torch.nn.Module:
 
 
 def load_model(name_or_path: str, dtype: str | torch.dtype | None = "auto", device: str | torch.device | None = "auto"):
-    """Load a causal LM by Hub id, local path or the embedded alias; reduced-vocabulary drafts included."""
+    """Load a causal LM by Hub id, local path or the embedded alias; reduced-vocabulary and EAGLE-3 drafts included."""
     device = device if isinstance(device, torch.device) else resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
     path = resolve_path(name_or_path)
     path = _local_reduced_draft(path) or path
+    eagle3.check_not_old_feature_draft(path)
     try:
-        if is_feature_draft_dir(path):
-            model = FeatureDraft.from_pretrained(path, torch_dtype)
+        if eagle3.is_eagle3_dir(path):
+            model = eagle3.Eagle3Draft.from_pretrained(path, torch_dtype)
         elif _declared_reduced_vocab(path) is not None:
             model = _load_reduced(path, torch_dtype)
         else:

@@ -50,9 +50,10 @@ def apply_reduced_head(model: torch.nn.Module, keep_ids: torch.Tensor) -> torch.
 
 
 def save_vocab_map(model: torch.nn.Module, out_dir: str | Path) -> None:
-    """Write the id map beside a saved reduced-vocabulary checkpoint (no-op for a full head)."""
+    """Write the id map beside a saved reduced-vocabulary checkpoint (no-op for a full head, and for drafts whose
+    own format stores the map, such as EAGLE-3's d2t)."""
     ids = draft_to_target_map(model)
-    if ids is not None:
+    if ids is not None and getattr(model.config, CONFIG_KEY, None):
         save_file({"draft_to_target": ids.detach().cpu().contiguous()}, str(Path(out_dir) / VOCAB_MAP_FILE))
 
 

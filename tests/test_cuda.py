@@ -58,6 +58,33 @@ def test_reduced_vocabulary_draft_on_cuda_is_exact():
     assert torch.equal(out.sequences, ref.sequences)
 
 
+def test_eagle3_draft_on_cuda_is_exact_and_replays_its_rounds():
+    """An EAGLE-3 draft fitted on the GPU: exact on ragged batches, and its replayed runs (the trainer's held-out
+    figures) equal the decoder's rounds there too."""
+    from test_eagle3 import FITTED_PROMPTS, fitted_draft
+
+    from specdec.replay import replay_runs, target_states
+
+    target = tiny_llama(seed=0, layers=4).to(CUDA)
+    draft = fitted_draft(target.cpu(), steps=60).to(CUDA)
+    target = target.to(CUDA)
+    ids, mask = (t.to(CUDA) for t in ragged_prompts(3, 128, seed=5))
+    ref = target_generate(target, ids, mask, max_new_tokens=30)
+    out = speculative_generate(target, draft, ids, mask, num_draft_tokens=3, max_new_tokens=30)
+    assert torch.equal(out.sequences, ref.sequences) and not out.stats.fallback
+    prompt = FITTED_PROMPTS()[:1].to(CUDA)
+    traced = speculative_generate(target, draft, prompt, num_draft_tokens=3, max_new_tokens=40, trace=True)
+    seq = traced.sequences
+    ones = torch.ones_like(seq)
+    scored = torch.zeros_like(seq, dtype=torch.bool)
+    scored[0, prompt.shape[1]: seq.shape[1] - 1] = True
+    runs = replay_runs(draft, seq, ones, scored, 3, target_states(draft, target, seq, ones))[0]
+    i = 0
+    for r in traced.trace[:-1]:  # the last round may be cut by max_new_tokens
+        assert int(r.num_accepted[0]) == min(runs[i], 3)
+        i += r.advanced
+
+
 @pytest.mark.parametrize("sampling", SETTINGS, ids=["t1.0", "t0.7-p0.9"])
 def test_sampled_output_on_cuda_is_distributed_as_the_target(sampling):
     """The chi-square test of test_sampling_exact, on the GPU with a CUDA generator (ragged rows, k = 2)."""

@@ -427,22 +427,35 @@ def test_push_failure_is_a_clear_error_and_keeps_out(full_dir, tmp_path, monkeyp
         pub.push_to_hub(out, "me/tiny-draft")
 
 
-def test_feature_draft_export_is_specdec_only_and_exact(tmp_path, tok, keep_ids):
-    """A feature draft publishes in specdec's format with a card that says so; it loads back and decodes
-    exactly; --full-vocab-head is refused with the reason."""
-    from specdec import speculative_generate, target_generate
-    from specdec.feature_draft import FeatureDraft
+def test_eagle3_export_is_what_vllm_and_sglang_load_and_is_exact(tmp_path, tok, keep_ids):
+    """An EAGLE-3 draft publishes in the engines' layout: the vLLM and SGLang keys written out in each one's
+    numbering, the reduced vocabulary as d2t offsets, the card with both engines' snippets and the method named;
+    it loads back and decodes exactly; --full-vocab-head changes nothing."""
+    from safetensors.torch import load_file
 
-    target = tiny_llama(seed=0)
-    draft = _save_draft(tmp_path / "fd", FeatureDraft.from_target(target, [-1], keep_ids=keep_ids), tok)
-    with pytest.raises(ValueError, match="feature draft"):
-        pub.publish(_cfg(draft, tmp_path / "x", full_vocab_head=True))
-    out = pub.publish(_cfg(draft, tmp_path / "pub"))
-    exported = load_model(str(out), dtype=torch.float64, device="cpu")
-    assert isinstance(exported, FeatureDraft) and torch.equal(vocab.draft_to_target_map(exported), keep_ids)
+    from specdec import target_generate
+    from specdec.eagle3 import Eagle3Draft
+
+    target = tiny_llama(seed=0, layers=4)
+    draft = _save_draft(tmp_path / "e3", Eagle3Draft.from_target(target, [1, 2, 3], keep_ids=keep_ids), tok)
+    out = pub.publish(_cfg(draft, tmp_path / "pub", full_vocab_head=True))
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]  # vLLM: after i layers (read first)
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]  # SGLang: output of layer i
+    assert config["norm_before_residual"] is False and config["draft_vocab_size"] == len(keep_ids)
+    assert config["vocab_size"] == 128 and config["target_hidden_size"] == 32
+    weights = load_file(str(out / "model.safetensors"))
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "midlayer.hidden_norm.weight",
+            "midlayer.self_attn.q_proj.weight", "embed_tokens.weight"} <= set(weights)
+    assert torch.equal(torch.arange(len(keep_ids)) + weights["d2t"], keep_ids) and weights["t2d"].sum() == len(keep_ids)
+    assert weights["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * 32 and weights["fc.weight"].shape == (32, 96)
     card = (out / "README.md").read_text()
-    assert "feature-conditioned draft" in card and "Only specdec runs it" in card
+    assert '"method": "eagle3"' in card and "--speculative-algorithm EAGLE3" in card
     assert "assistant_model=draft" not in card and "need the expanded export" not in card
+    exported = load_model(str(out), dtype=torch.float64, device="cpu")
+    assert isinstance(exported, Eagle3Draft) and torch.equal(vocab.draft_to_target_map(exported), keep_ids)
     ids = torch.tensor([[5, 9, 33, 12]])
     ref = target_generate(target, ids, max_new_tokens=12)
-    assert torch.equal(speculative_generate(target, exported, ids, num_draft_tokens=3, max_new_tokens=12).sequences, ref.sequences)
+    assert torch.equal(speculative_generate(target, exported, ids, num_draft_tokens=3, max_new_tokens=12).sequences,
+                       ref.sequences)

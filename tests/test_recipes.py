@@ -22,7 +22,7 @@ LAUNCH_CONFIGS = sorted((ROOT / "recipes" / "accelerate").glob("*.yaml"))
 
 def test_the_expected_recipes_exist():
     names = {p.name for p in RECIPES}
-    assert {"smollm2-135m.yaml", "smollm2-135m-quick.yaml", "smollm2-135m-feature.yaml", "llama3.1-8b__llama3.2-1b.yaml",
+    assert {"smollm2-135m.yaml", "smollm2-135m-quick.yaml", "smollm2-135m-eagle3.yaml", "llama3.1-8b__llama3.2-1b.yaml",
             "qwen2.5-7b__qwen2.5-0.5b.yaml"} <= names
     assert {p.stem for p in LAUNCH_CONFIGS} >= {"single_gpu", "multi_gpu", "fsdp", "deepspeed_zero2", "cpu"}
 
@@ -40,11 +40,11 @@ def test_recipe_parses_and_train_section_loads(path):
     cfg = load_config(TrainConfig, path, section="train")
     assert cfg.target == raw["target"] and cfg.output_dir == raw["output_dir"]
     if "draft_layers" in raw["train"]:
-        assert cfg.draft in ("derived", "feature")
+        assert cfg.draft == "derived"
 
 
 def test_embedded_recipes_use_the_shared_prompt_keywords():
-    for name in ("smollm2-135m.yaml", "smollm2-135m-quick.yaml", "smollm2-135m-feature.yaml"):
+    for name in ("smollm2-135m.yaml", "smollm2-135m-quick.yaml", "smollm2-135m-eagle3.yaml"):
         raw = yaml.safe_load((ROOT / "recipes" / name).read_text())
         assert raw["target"] == "embedded:smollm2-135m-instruct"
         assert raw["data"]["prompts"].split(",")[0] == "embedded:train"
@@ -55,13 +55,15 @@ def test_embedded_recipes_use_the_shared_prompt_keywords():
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
 def test_recorded_features_are_the_ones_the_draft_reads(path):
-    """A data section that records target features records the layers its feature draft reads (else training
+    """A data section that records the target's states records the layers its EAGLE-3 draft reads (else training
     would compute them again, with a warning)."""
     from train.data import DataConfig
+    from train.eagle3_train import data_layers
 
     raw, data = read_recipe(path), load_config(DataConfig, path, section="data")
     if data.record_features:
-        assert raw["draft"] == "feature" and data.feature_aux_layers == raw["train"].get("feature_aux_layers", [])
+        assert raw["draft"] == "eagle3"
+        assert data.feature_aux_layers == data_layers(raw["train"]["eagle_aux_layer_ids"])
 
 
 @pytest.mark.parametrize("path", LAUNCH_CONFIGS, ids=lambda p: p.name)
@@ -87,12 +89,12 @@ def test_recipe_smoke_runs_two_steps(path, tiny_world, tmp_path):
             "heldout_data": str(tiny_world / "heldout"), "output_dir": str(tmp_path / "out"), "device": "cpu",
             "dtype": "float32", "max_steps": 2, "per_device_batch_size": 2, "eval_samples": 2, "eval_every": 1,
             "save_every": 1, "warmup_steps": 1}
-    if cfg.draft in ("derived", "feature"):
+    if cfg.draft == "derived":
         tiny["draft_layers"] = [0, -1]
-    elif cfg.draft != "scratch":
+    elif cfg.draft not in ("scratch", "eagle3"):
         tiny["draft"] = str(tiny_world / "small")
-    if cfg.feature_aux_layers:  # the tiny target has 3 layers: keep as many auxiliary ones, within its range
-        tiny["feature_aux_layers"] = [i % 3 for i in range(len(cfg.feature_aux_layers))]
+    if cfg.draft == "eagle3":  # the tiny target has 3 layers: ids 1 and 2 are all it has
+        tiny["eagle_aux_layer_ids"] = [1, 2]
     if cfg.draft_vocab_size:
         tiny["draft_vocab_size"] = 32
     if cfg.lora:

@@ -119,15 +119,15 @@ def test_batch_three_matches_the_target(pair, sampling):
     assert combined_p(target, PROMPTS, sampling, counts) > ALPHA
 
 
-def test_feature_draft_matches_the_target(pair):
-    """A feature-conditioned draft (its q read from guessed features after the first proposal) on ragged
-    left-padded rows: the joint of the first three tokens is still the target's."""
-    from specdec.feature_draft import FeatureDraft
+@pytest.mark.parametrize("sampling", SETTINGS, ids=["t1.0", "t0.7-p0.9"])
+def test_eagle3_draft_matches_the_target(pair, sampling):
+    """An EAGLE-3 draft with a reduced vocabulary (its q read from its own outputs after the first proposal, zero
+    outside its ids) on ragged left-padded rows: the joint of the first three tokens is still the target's."""
+    from specdec.eagle3 import Eagle3Draft
 
     target, _ = pair
-    torch.manual_seed(5)
-    draft = FeatureDraft.from_target(target, [0], keep_ids=torch.tensor([0, 2, 3, 5, 8, 9, 12, 15]))
+    draft = Eagle3Draft.from_target(target, [1], keep_ids=torch.tensor([0, 2, 3, 5, 8, 9, 12, 15]), seed=5)
     with torch.no_grad():
-        draft.fc.weight[:, 16:].normal_(std=0.05)  # a feature path that moves q
-    counts = sample_counts(target, draft, PROMPTS, SETTINGS[0], k=3, calls=10, copies=700, seed=8)
-    assert combined_p(target, PROMPTS, SETTINGS[0], counts) > ALPHA
+        draft.fc.weight.normal_(std=0.5, generator=torch.Generator().manual_seed(0))  # q that moves with the states
+    counts = sample_counts(target, draft, PROMPTS, sampling, k=3, calls=10, copies=700, seed=8)
+    assert combined_p(target, PROMPTS, sampling, counts) > ALPHA

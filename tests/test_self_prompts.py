@@ -84,7 +84,8 @@ def test_a_prompt_file_and_self_written_prompts_in_one_run(tiny_checkpoints, tmp
 
 
 def test_trainer_reads_several_data_folders(tiny_checkpoints, tmp_path):
-    from train.distill import TrainConfig, load_data
+    from train.batches import load_data
+    from train.distill import TrainConfig
 
     for seed, (name, source) in enumerate((("one", "self:5"), ("two", "self:4"))):
         data_stage.run(_cfg(tiny_checkpoints, tmp_path / name, prompts=source, seed=seed))

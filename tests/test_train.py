@@ -19,8 +19,9 @@ from conftest import save_tiny_world, tiny_llama
 
 from specdec.models import load_model
 from specdec.vocab import draft_to_target_map
-from train import distill
-from train.distill import Schedule, TrainConfig, collate, epoch_batches
+from train import checkpoints, distill, plain_train
+from train.batches import Schedule, collate, epoch_batches
+from train.distill import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,7 +84,7 @@ def test_teacher_head_on_loss_positions_equals_the_full_forward():
     rows = {"input_ids": [[5, 6, 7, 8, 9, 10], [11, 12, 13]], "prompt_length": [3, 1]}
     batch = collate(rows, pad_id=0, max_length=64)
     full = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    assert torch.allclose(distill.target_logits_at(target, batch), full[batch["loss_mask"]], atol=1e-5)
+    assert torch.allclose(plain_train.target_logits_at(target, batch), full[batch["loss_mask"]], atol=1e-5)
 
 
 def test_on_policy_batch_samples_continuations_in_target_ids():
@@ -94,7 +95,7 @@ def test_on_policy_batch_samples_continuations_in_target_ids():
     from specdec.vocab import apply_reduced_head
 
     apply_reduced_head(draft, id_map)
-    out = distill.on_policy_batch(draft, batch, max_new=4, temperature=1.0, id_map=id_map, pad_id=0, eos_id=None,
+    out = plain_train.on_policy_batch(draft, batch, max_new=4, temperature=1.0, id_map=id_map, pad_id=0, eos_id=None,
                                   generator=torch.Generator().manual_seed(0))
     # Prompts [5 6 7] and [11], left-padded to width 3, then 4 sampled tokens each.
     assert out["input_ids"][:, :3].tolist() == [[5, 6, 7], [0, 0, 11]]
@@ -102,7 +103,7 @@ def test_on_policy_batch_samples_continuations_in_target_ids():
     assert set(out["input_ids"][:, 3:].flatten().tolist()) <= set(id_map.tolist())
     assert out["loss_mask"].tolist() == [[False, False, True, True, True, True, False]] * 2
     assert out["n_tokens"] == 8
-    eos = distill.on_policy_batch(draft, batch, max_new=4, temperature=1.0, id_map=id_map, pad_id=0,
+    eos = plain_train.on_policy_batch(draft, batch, max_new=4, temperature=1.0, id_map=id_map, pad_id=0,
                                   eos_id=int(out["input_ids"][0, 3]), generator=torch.Generator().manual_seed(0))
     # The first sampled token of row 0 is now EOS: nothing after it is trained on.
     assert eos["loss_mask"][0].tolist() == [False, False, True, False, False, False, False]
@@ -112,7 +113,7 @@ def test_on_policy_batch_samples_continuations_in_target_ids():
     with torch.no_grad():
         for cur in range(3, 7):
             logits = draft(input_ids=ids[:, :cur], attention_mask=mask[:, :cur],
-                           position_ids=distill._positions(mask[:, :cur])).logits[:, -1].float()
+                           position_ids=plain_train._positions(mask[:, :cur])).logits[:, -1].float()
             ids[:, cur] = id_map[torch.multinomial(logits.softmax(-1), 1, generator=gen).squeeze(-1)]
     assert torch.equal(ids, out["input_ids"])
 
@@ -320,7 +321,7 @@ def test_kill_and_resume_continues_the_data_order(workspace, tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    latest = distill.latest_checkpoint(out / "checkpoints")
+    latest = checkpoints.latest_checkpoint(out / "checkpoints")
     checkpoint_step = int(latest.name.split("-")[1])
     assert checkpoint_step >= 4 and max(r["step"] for r in _consumed(out)) >= checkpoint_step
     end = checkpoint_step + 6

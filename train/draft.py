@@ -4,6 +4,8 @@
                 in a config with fewer layers: still a plain transformers model (save/from_pretrained work)
     scratch     the target's config with overrides (e.g. {num_hidden_layers: 2}), random layers, target
                 embeddings / final norm / head copied (hidden sizes must match)
+    eagle3      an EAGLE-3 draft reading three of the target's hidden states (specdec/eagle3.py; trained by
+                train/eagle3_train.py)
     otherwise   a Hub id or local path of a pretrained small model with the target's tokenizer
 
 A reduced vocabulary keeps the N most frequent target tokens of the distillation completions
@@ -25,7 +27,7 @@ log = logging.getLogger(__name__)
 
 DERIVED = "derived"
 SCRATCH = "scratch"
-FEATURE = "feature"  # reads the target's hidden states: specdec/feature_draft.py
+EAGLE3 = "eagle3"  # reads three of the target's hidden states: specdec/eagle3.py, train/eagle3_train.py
 _LAYER_KEY = re.compile(r"^(.*\.layers\.)(\d+)\.(.*)$")
 DEFAULT_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -131,6 +133,15 @@ def select_vocab(counts: torch.Tensor, size: int, always_keep: Iterable[int] = (
             keep.append(i)
             seen.add(i)
     return torch.tensor(sorted(keep[:size]), dtype=torch.long)
+
+
+def frequent_ids(train_ds, size: int, vocab_size: int, always_keep: Iterable[int] = ()) -> torch.Tensor:
+    """The `size` target ids most frequent among the training completions (a reduced draft head's ids)."""
+    counts = completion_token_counts(train_ds.select_columns(["input_ids", "prompt_length"]), vocab_size)
+    keep = select_vocab(counts, size, always_keep)
+    log.info("reduced draft head: %d ids cover %.1f%% of completion tokens", keep.numel(),
+             100 * float(counts[keep].sum()) / max(float(counts.sum()), 1.0))
+    return keep
 
 
 def reduce_vocab(model: torch.nn.Module, keep_ids: torch.Tensor) -> torch.nn.Module:

@@ -40,7 +40,9 @@ class CardInfo:
     data: str | None = None
     license: str = "apache-2.0"
     model_on_hub: bool = False  # model_ref is a Hub repo id (the export was pushed)
-    feature_draft: bool = False  # reads the target's hidden states (specdec/feature_draft.py): specdec only
+    method: str = "draft_model"  # vLLM's speculative method: draft_model (a plain causal LM) or eagle3
+    sglang_algorithm: str = "STANDALONE"  # SGLang's --speculative-algorithm
+    layer_ids: list[int] = dataclasses.field(default_factory=list)  # EAGLE-3: the target layers read (vLLM's count)
 
     def __post_init__(self) -> None:
         if self.head not in ("full", "reduced", "expanded"):
@@ -138,10 +140,11 @@ def _head_section(info: CardInfo) -> list[str]:
     if info.head == "full":
         return []
     n, v = info.draft_vocab_size, info.vocab_size
-    if info.feature_draft:  # specdec-only anyway: the id map needs no workaround
+    if info.method == "eagle3":  # the engines read the map themselves
         return ["## Reduced vocabulary", "",
-                f"The LM head scores {n:,} of the {v:,} target ids; `draft_vocab.safetensors` maps its logits to "
-                "target ids, and q = 0 outside them keeps decoding exact.", ""]
+                f"The LM head scores {n:,} of the {v:,} target ids, the most frequent in the training completions. "
+                "`d2t` maps them as vLLM and SGLang read it (target id = draft id + d2t[draft id], draft ids in "
+                "ascending target-id order; `t2d` marks the kept ids). q = 0 outside them keeps decoding exact.", ""]
     if info.head == "reduced":
         return [
             "## Reduced vocabulary: specdec only",
@@ -198,7 +201,7 @@ def _snippets(info: CardInfo, k: int) -> list[str]:
     draft, target = info.model_ref, info.target_ref
     q = json.dumps  # Python string literals in double quotes, like the rest of the snippets
     # specdec reads a reduced draft's id map from a local folder: download a Hub copy first.
-    local = (info.head == "reduced" or info.feature_draft) and info.model_on_hub
+    local = (info.head == "reduced" or info.method == "eagle3") and info.model_on_hub
     cli_draft = f"drafts/{draft.split('/')[-1]}" if local else draft
     py_draft = f"snapshot_download({q(draft)})" if local else q(draft)
     specdec_lines = [
@@ -225,13 +228,8 @@ def _snippets(info: CardInfo, k: int) -> list[str]:
         "```",
         "",
     ]
-    if info.feature_draft:
-        return ["## Usage", "",
-                "This is a feature-conditioned draft (EAGLE-style): besides the tokens it reads the target's final "
-                "hidden states (and those of the layers in `specdec_feature_aux_layers` of its config), which "
-                "specdec's decoder passes to it. Only specdec runs it; transformers' "
-                "`assistant_model`, vLLM and SGLang load EAGLE drafts in their own formats, not this one.",
-                ""] + specdec_lines
+    if info.method == "eagle3":
+        return _eagle3_usage(info, k, q) + specdec_lines
     if info.head == "reduced":
         return ["## Usage", "", "Only specdec can run this export (see the warning above).", ""] + specdec_lines
     vllm_config = json.dumps({"model": draft, "method": "draft_model", "num_speculative_tokens": k})
@@ -281,6 +279,49 @@ def _snippets(info: CardInfo, k: int) -> list[str]:
     ] + specdec_lines
 
 
+def _eagle3_usage(info: CardInfo, k: int, q) -> list[str]:
+    """How vLLM and SGLang serve an EAGLE-3 draft (one folder serves both)."""
+    draft, target = info.model_ref, info.target_ref
+    vllm_config = json.dumps({"method": "eagle3", "model": draft, "num_speculative_tokens": k})
+    ids = info.layer_ids
+    return [
+        "## Usage",
+        "",
+        "An EAGLE-3 draft (Li et al. 2025, arXiv:2503.01840): besides the tokens, its one layer reads the "
+        f"target's residual stream after layers {ids} (vLLM's `eagle_aux_hidden_state_layer_ids`; SGLang's "
+        f"`eagle_config` numbers the same layers {[i - 1 for i in ids]}), which the serving engine passes to it. "
+        "This folder is in the layout both vLLM and SGLang load (`LlamaForCausalLMEagle3`), with every flag whose "
+        "default differs between them written out (`norm_before_residual: false`). Name the method explicitly: "
+        "vLLM otherwise guesses it from the folder's name. transformers' assisted generation does not run "
+        "EAGLE drafts.",
+        "",
+        "The draft only changes speed: greedy output is token-identical to the target alone, and sampled "
+        "output is distributed as the target's.",
+        "",
+        "### vLLM",
+        "",
+        "```python",
+        "from vllm import LLM, SamplingParams",
+        "",
+        f"llm = LLM(model={q(target)}, speculative_config={vllm_config})",
+        'print(llm.generate(["Hello!"], SamplingParams(temperature=0, max_tokens=128))[0].outputs[0].text)',
+        "```",
+        "",
+        "```bash",
+        f"vllm serve {target} --speculative-config '{vllm_config}'",
+        "```",
+        "",
+        "### SGLang",
+        "",
+        "```bash",
+        f"python -m sglang.launch_server --model-path {target} \\",
+        f"    --speculative-algorithm {info.sglang_algorithm} --speculative-draft-model-path {draft} \\",
+        f"    --speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}",
+        "```",
+        "",
+    ]
+
+
 def render_card(info: CardInfo, report: dict | None = None) -> str:
     """The README.md text of a published draft: YAML metadata, provenance, results, caveats and usage."""
     k = num_draft_tokens(report)
@@ -312,6 +353,7 @@ def render_card(info: CardInfo, report: dict | None = None) -> str:
         f"- architecture: {info.architecture}; layers: {info.num_layers}; hidden size: {info.hidden_size}; "
         f"parameters: {info.num_parameters:,}; dtype: {info.dtype}",
         f"- LM head: {head_text}",
+        f"- serving: vLLM `{info.method}`, SGLang `{info.sglang_algorithm}`",
         "",
     ]
     lines += _results(report)

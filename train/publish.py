@@ -4,11 +4,13 @@
     specdec publish --draft runs/draft --out runs/published --full-vocab-head        # reduced draft -> stock engines
     specdec publish --config recipes/smollm2-135m.yaml --push-to-hub me/smollm2-135m-draft --private
 
-The output folder holds safetensors weights, config, generation config, tokenizer and README.md; it loads with
+The output folder holds safetensors weights, config, tokenizer and README.md. A plain draft loads with
 `AutoModelForCausalLM.from_pretrained` and serves as a draft in transformers (`assistant_model=`), vLLM
 (`speculative_config={"model": OUT, "method": "draft_model", ...}`) and SGLang (`--speculative-algorithm
-STANDALONE`). A reduced-vocabulary draft is exported with its id map (specdec only) unless `full_vocab_head=true`
-expands its head to the full vocabulary (see `expand_head`). OUT is written to a temporary folder and renamed.
+STANDALONE`); its reduced-vocabulary head is exported with its id map (specdec only) unless
+`full_vocab_head=true` expands it to the full vocabulary (see `expand_head`). An EAGLE-3 draft is written in
+the layout vLLM (`"method": "eagle3"`) and SGLang (`--speculative-algorithm EAGLE3`) both load, its reduced
+vocabulary as the engines' d2t (specdec/eagle3.py). OUT is written to a temporary folder and renamed.
 """
 
 from __future__ import annotations
@@ -318,14 +320,11 @@ def publish(cfg: PublishConfig) -> Path:
     keep = vocab.draft_to_target_map(model)
     num_kept = None if keep is None else int(keep.numel())
     head, expansion = "full" if keep is None else "reduced", None
-    feature = getattr(model, "is_feature_draft", False)
-    if feature:
-        if cfg.full_vocab_head:
-            raise ValueError("--full-vocab-head does not apply to a feature draft (draft=feature): it reads the "
-                             "target's hidden states, which only specdec's decoder passes it; publish it without")
-        log.warning("a feature draft reads the target's hidden states: only specdec runs this export (transformers' "
-                    "assistant_model, vLLM and SGLang expect their own formats)")
-    elif keep is not None and cfg.full_vocab_head:
+    # A draft class the engines run by its own method (EAGLE-3) says so, and reads its reduced vocabulary there;
+    # a plain causal LM is vLLM's `draft_model`, and only specdec reads its id map.
+    method = getattr(model, "vllm_method", "draft_model")
+    engines_map_ids = method != "draft_model"
+    if keep is not None and cfg.full_vocab_head and not engines_map_ids:
         reduced_weight = model.get_output_embeddings().weight.detach().clone()
         keep = expand_head(model)
         expansion = check_expansion(model, reduced_weight, keep, _sample_ids(tokenizer, model.config.vocab_size))
@@ -338,8 +337,9 @@ def publish(cfg: PublishConfig) -> Path:
                         expansion["max_dropped_mass"])
         head = "expanded"
     elif cfg.full_vocab_head:
-        log.info("the draft already has a full-vocabulary head; full_vocab_head changes nothing")
-    elif head == "reduced" and not feature:
+        log.info("full_vocab_head changes nothing here: %s", "the draft's head is already full" if keep is None
+                 else f"the engines map this {method} draft's {num_kept} ids themselves")
+    elif head == "reduced" and not engines_map_ids:
         log.warning("exporting the reduced head (%d ids) with its id map: only specdec loads it; pass "
                     "--full-vocab-head for transformers, vLLM and SGLang", num_kept)
     _fill_generation_config(model, tokenizer)
@@ -364,16 +364,14 @@ def publish(cfg: PublishConfig) -> Path:
         data=cfg.data or _recipe_data(recipe),
         license=cfg.license.strip(),
         model_on_hub=cfg.push_to_hub is not None,
-        feature_draft=feature,
+        method=method,
+        sglang_algorithm=getattr(model, "sglang_algorithm", "STANDALONE"),
+        layer_ids=list(getattr(model, "layer_ids", []) or []),
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        if head == "reduced" or feature:
-            models.save_model(model, tokenizer, tmp)  # weights (+ draft_vocab.safetensors id map)
-        else:
-            model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
+        models.save_model(model, tokenizer, tmp)  # weights, config, tokenizer (+ a plain reduced head's id map)
         (tmp / "README.md").write_text(render_card(info, report))
         if report is not None:
             (tmp / "specdec_eval_report.json").write_text(json.dumps(report, indent=2))

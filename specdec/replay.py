@@ -1,4 +1,7 @@
-"""Held-out acceptance figures from teacher-forced agreement: how many tokens per round would a draft give?
+"""Teacher-forced replay: how many tokens per round would a draft give on the target's own outputs?
+
+Used by the trainer's held-out evaluation, `specdec eval`'s choice of k and `bench/distill.py --score`; every kind
+of draft enters through `replay_runs` (and `target_states` for what it reads from the target besides tokens).
 
 Method (greedy speculative decoding, exact when the held-out completion is the target's greedy output):
 let agree[i] say whether the draft's argmax at completion position i (given the prompt and the true
@@ -17,6 +20,8 @@ closed form (1 - alpha^(k+1)) / (1 - alpha) of Leviathan et al. (2023).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+
+import torch
 
 
 def greedy_rounds(agree: Sequence[bool], k: int) -> tuple[int, int]:
@@ -70,3 +75,55 @@ def per_position_agreement(agreements: Iterable[Sequence[bool]], k: int) -> list
                 accepted += 1
             i += min(accepted + 1, n - i)
     return [p / t if t else 0.0 for p, t in zip(passed, tried)]
+
+
+def runs_from_agreement(agree: Sequence[bool]) -> list[int]:
+    """run[i] = how many agreements in a row start at position i (a plain draft's accepted run there)."""
+    runs, count = [0] * len(agree), 0
+    for i in range(len(agree) - 1, -1, -1):
+        count = count + 1 if agree[i] else 0
+        runs[i] = count
+    return runs
+
+
+def tau_from_runs(runs: Iterable[Sequence[int]], ks: Iterable[int] = range(1, 9)) -> dict[int, float]:
+    """tau(k) from run lengths: a round starting at position i accepts min(run[i], k) (as `greedy_rounds`)."""
+    runs = [list(r) for r in runs]
+    out: dict[int, float] = {}
+    for k in ks:
+        rounds = tokens = 0
+        for run in runs:
+            n, i = len(run), 0
+            while i < n:
+                emitted = min(min(run[i], k) + 1, n - i)
+                rounds, tokens, i = rounds + 1, tokens + emitted, i + emitted
+        out[int(k)] = tokens / rounds if rounds else 0.0
+    return out
+
+
+def target_states(draft, target, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor | None:
+    """What `draft` reads from `target` besides the tokens, for `replay_runs`: None for a plain draft."""
+    read = getattr(draft, "read_target", None)
+    return None if read is None else read(target, input_ids, attention_mask)
+
+
+@torch.no_grad()
+def replay_runs(draft, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
+                steps: int, states: torch.Tensor | None = None) -> list[list[int]]:
+    """Per row, for each scored position i (loss_mask: logits position i predicts a completion token): how many
+    proposals in a row (up to `steps`) a greedy round whose first proposal is token i + 1 would have accepted, the
+    data being the target's greedy output. A draft class with its own scheme provides `replay_runs`."""
+    own = getattr(draft, "replay_runs", None)
+    if own is not None:
+        return own(input_ids, attention_mask, loss_mask, steps, states)
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    logits = draft(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits
+    guess = logits.argmax(-1)  # [B, S]
+    id_map = getattr(draft, "draft_to_target", None)
+    guess = guess if id_map is None else id_map.to(guess.device)[guess]
+    agree = guess[:, :-1] == input_ids[:, 1:]  # logits position t proposes token t + 1
+    runs = []
+    for row_agree, row_scored in zip(agree.tolist(), loss_mask[:, :-1].tolist()):
+        scored = [a for a, s in zip(row_agree, row_scored) if s]
+        runs.append([min(r, steps) for r in runs_from_agreement(scored)])
+    return runs

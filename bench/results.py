@@ -1,0 +1,64 @@
+"""Where bench/ scripts write what they measured: docs/results/<date>-<name>.md, with the provenance a figure
+needs to be checked (date, git commit, CPU model, torch, the exact command)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
+
+
+def cpu_model() -> str:
+    """The CPU's model name (lscpu's, else the platform's) and whether it computes bf16 natively."""
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+        flags = Path("/proc/cpuinfo").read_text()
+        extra = "AVX-512 + bf16" if "avx512_bf16" in flags else "AVX-512" if "avx512f" in flags else "AVX2" \
+            if "avx2" in flags else "no AVX2"
+    except OSError:
+        extra = "flags unknown"
+    import os
+
+    return f"{name} ({extra}, {os.cpu_count()} cores)"
+
+
+def commit() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=RESULTS.parents[1], timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=RESULTS.parents[1], timeout=10).stdout.strip()
+        return f"{sha}{' (with uncommitted changes)' if dirty else ''}" if sha else "unknown"
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+def header(title: str) -> str:
+    """The provenance block every results file starts with."""
+    import torch
+
+    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    return "\n".join([
+        f"# {title}", "",
+        f"- date: {_dt.datetime.now().strftime('%Y-%m-%d %H:%M')}",
+        f"- commit: {commit()}",
+        f"- machine: {cpu_model()}",
+        f"- torch {torch.__version__}, {torch.get_num_threads()} threads",
+        f"- command: `{command}`", "", ""])
+
+
+def write(name: str, title: str, body: str) -> Path:
+    """docs/results/<date>-<name>.md holding the provenance header and `body` (markdown); returns the path."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{_dt.date.today().isoformat()}-{name}.md"
+    path.write_text(header(title) + body.rstrip() + "\n")
+    return path

@@ -1,0 +1,112 @@
+"""The draft's side of speculative decoding: one interface for every kind of draft.
+
+    drafter = make_drafter(draft, target, sampling)   # before the target's prefill: it may watch its forwards
+    drafter.start(batch)                               # after the prefill
+    tokens, q = drafter.propose(batch, k, gen, stats)  # [B, k] target ids; q [B, k, V] when sampling, else None
+    drafter.observe(position)                          # after each target forward, which computed from `position` on
+    drafter.rollback(batch)                            # after verification: keep what the target accepted
+    drafter.close()
+
+A plain draft (any causal LM over the target's tokenizer) keeps its own KV cache over the token buffer. A draft
+class that needs more (an EAGLE-3 draft reads the target's hidden states) provides `make_drafter(target, batch,
+sampling)` and returns its own subclass; the decode loop never asks which kind it holds.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.kv import Batch, cache_kwarg, forward_cached, prefill, rollback
+from specdec.sampling import SamplingConfig, probabilities, sample_from
+from specdec.vocab import draft_to_target_map
+
+
+class Drafter:
+    """Proposal picking and the vocabulary map, shared by every kind of draft."""
+
+    def __init__(self, draft, target, sampling: SamplingConfig):
+        self.model, self.sampling = draft, sampling
+        self.vocab = target.get_output_embeddings().out_features
+        rows = draft.get_output_embeddings().out_features
+        id_map = draft_to_target_map(draft)
+        if id_map is None and rows < self.vocab:
+            id_map = torch.arange(rows)  # a smaller padded vocabulary: the first `rows` ids, q = 0 beyond
+        self.rows = rows if id_map is not None else min(rows, self.vocab)
+        self.id_map = None if id_map is None else id_map.to(next(target.parameters()).device)
+
+    def start(self, batch: Batch) -> None:
+        """Called once after the target's prefill."""
+
+    def observe(self, position: int) -> None:
+        """Called after each target forward, which computed positions `position` onwards."""
+
+    def rollback(self, batch: Batch) -> None:
+        """Called after verification: drop what was computed from rejected proposals."""
+
+    def close(self) -> None:
+        """Called once when decoding ends (also after a failure)."""
+
+    def propose(self, batch: Batch, k: int, generator, stats) -> tuple[torch.Tensor, torch.Tensor | None]:
+        raise NotImplementedError
+
+    def timed_step(self, batch: Batch) -> None:
+        """One draft forward of one new position, as a round's first proposal after a rejection, then undone:
+        what `specdec eval` times as the draft's per-token cost. Needs one token appended after the prompt."""
+        raise NotImplementedError
+
+    def pick(self, logits: torch.Tensor, batch: Batch, generator, qs: list) -> torch.Tensor:
+        """The draft's token (target ids) from its last logits [B, n, V_draft]; appends q when sampling.  [B]"""
+        if logits.dim() != 3 or logits.shape[0] != batch.seq.shape[0] or logits.shape[-1] < self.rows:
+            raise RuntimeError(f"draft returned logits of shape {tuple(logits.shape)}")
+        logits = logits[:, -1, : self.rows]  # [B, V_draft]
+        if self.sampling.greedy:
+            local = logits.argmax(dim=-1)
+        else:
+            q_local = probabilities(logits, self.sampling)
+            local = sample_from(q_local, generator)
+            qs.append(self.to_target_space(q_local))
+        return local if self.id_map is None else self.id_map[local]
+
+    def to_target_space(self, q_local: torch.Tensor) -> torch.Tensor:
+        """q over the draft's head -> q over the target's vocabulary, zero outside the draft's ids.  [B, V]"""
+        if self.id_map is None:
+            return q_local
+        q = q_local.new_zeros(q_local.shape[0], self.vocab)
+        return q.index_copy_(1, self.id_map, q_local)
+
+
+class PlainDrafter(Drafter):
+    """A causal LM drafting from tokens alone, from its own KV cache (it never re-reads the accepted prefix)."""
+
+    def start(self, batch: Batch) -> None:
+        self.kwarg = cache_kwarg(self.model)
+        self.cache, _ = prefill(self.model, batch, self.kwarg)
+
+    def rollback(self, batch: Batch) -> None:
+        # Keep what the draft has read of the accepted sequence: it may lag one token (after a full accept it
+        # has not read the k-th proposal), which it reads first next round.
+        rollback(self.cache, min(self.cache.get_seq_length(), batch.length - 1))
+
+    def timed_step(self, batch: Batch) -> None:
+        start = self.cache.get_seq_length()
+        forward_cached(self.model, self.cache, batch, start + 1, 1, self.kwarg)
+        rollback(self.cache, start)
+
+    def propose(self, batch: Batch, k: int, generator, stats):
+        tokens, qs = [], []
+        stop = batch.length
+        for _ in range(k):
+            logits = forward_cached(self.model, self.cache, batch, stop, 1, self.kwarg)
+            stats.draft_forwards += 1
+            token = self.pick(logits, batch, generator, qs)
+            tokens.append(token)
+            # Proposals live in the buffer past the sequence end; verification overwrites what it rejects.
+            batch.seq[:, stop] = token
+            stop += 1
+        return torch.stack(tokens, dim=1), (torch.stack(qs, dim=1) if qs else None)
+
+
+def make_drafter(draft, target, sampling: SamplingConfig) -> Drafter:
+    """The drafter of `draft`: its own (`draft.make_drafter`) when its class has one, else a plain drafter."""
+    own = getattr(draft, "make_drafter", None)
+    return own(target, sampling) if own is not None else PlainDrafter(draft, target, sampling)

@@ -1,0 +1,108 @@
+"""The decoders' shared state: the running token buffer (`Batch`) and the cached forwards over it.
+
+Every KV cache is a prefix of the one token buffer `Batch.seq`; `rollback` is the only place that discards KV
+entries (rejected proposals), for the target and every kind of draft alike.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import DynamicCache
+
+
+class Batch:
+    """The running sequences: a preallocated token buffer, left-padding offsets and finished rows."""
+
+    def __init__(self, input_ids, attention_mask, max_new_tokens, lookahead, eos_token_id, pad_token_id):
+        batch, prompt_len = input_ids.shape
+        device = input_ids.device
+        capacity = prompt_len + max_new_tokens + lookahead
+        self.prompt_length = prompt_len
+        self.max_length = prompt_len + max_new_tokens
+        self.length = prompt_len
+        self.seq = torch.full((batch, capacity), pad_token_id, dtype=torch.long, device=device)
+        self.seq[:, :prompt_len] = input_ids
+        self.pad_token_id = pad_token_id
+        if attention_mask is None or bool(attention_mask.all()):
+            self.mask = None  # no padding: the models' plain causal path, and no mask to build each step
+            self.left_pad = torch.zeros(batch, dtype=torch.long, device=device)
+        else:
+            self.mask = torch.ones(batch, capacity, dtype=torch.long, device=device)
+            self.mask[:, :prompt_len] = attention_mask
+            self.left_pad = (attention_mask == 0).sum(dim=1)
+        eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
+        self.eos = torch.tensor(list(eos), dtype=torch.long, device=device)
+        self.finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.live_appended = torch.zeros((), dtype=torch.long, device=device)
+        self.ends = torch.full((batch,), capacity, dtype=torch.long, device=device)  # length at each row's EOS
+
+    def model_inputs(self, start: int, stop: int) -> dict:
+        """Positions and attention mask for feeding seq[:, start:stop] after a cache of length `start`."""
+        positions = torch.arange(start, stop, device=self.seq.device)[None, :] - self.left_pad[:, None]
+        mask = None if self.mask is None else self.mask[:, :stop]
+        return {"position_ids": positions.clamp_min(0), "attention_mask": mask}
+
+    def append(self, new: torch.Tensor) -> int:
+        """Append [B, m] tokens (cut at max_new_tokens); tokens after a row's EOS become padding."""
+        new = new[:, : self.max_length - self.length]
+        self.finished_before = self.finished.clone()
+        if self.eos.numel():
+            is_eos = torch.isin(new, self.eos)
+            after_eos = (is_eos.long().cumsum(dim=1) - is_eos.long()) > 0
+            new = new.masked_fill(after_eos | self.finished_before[:, None], self.pad_token_id)
+            first_eos = is_eos.long().argmax(dim=1)  # [B]
+            newly = is_eos.any(dim=1) & ~self.finished_before
+            self.ends = torch.where(newly, self.length + first_eos + 1, self.ends)
+            self.finished |= newly
+        else:
+            after_eos = torch.zeros_like(new, dtype=torch.bool)
+        # Real tokens appended (not padding after an EOS): an on-device count, read once at the end.
+        self.live_appended += (~after_eos).sum(dim=1).masked_fill(self.finished_before, 0).sum()
+        m = new.shape[1]
+        self.seq[:, self.length : self.length + m] = new
+        self.length += m
+        return m
+
+    def sequences(self) -> torch.Tensor:
+        """The generated batch, cut after the last row's EOS (a round may have appended past it).  [B, S]"""
+        width = self.length
+        if self.eos.numel() and bool(self.finished.all()):
+            width = min(width, int(self.ends.max()))
+        return self.seq[:, :width]
+
+    def done(self) -> bool:
+        return self.length >= self.max_length or (self.eos.numel() > 0 and bool(self.finished.all()))
+
+
+def cache_kwarg(model) -> str:
+    # transformers 5.x renamed `past_key_values` to `cache` in forward(); accept either.
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def forward_cached(model, cache: DynamicCache, batch: Batch, stop: int, logits_to_keep: int, kwarg: str):
+    """Feed seq[:, cache_len:stop] to a causal LM and return its last `logits_to_keep` logits.  -> [B, n, V]"""
+    start = cache.get_seq_length()
+    out = model(
+        input_ids=batch.seq[:, start:stop],
+        **batch.model_inputs(start, stop),
+        **{kwarg: cache},
+        use_cache=True,
+        logits_to_keep=logits_to_keep,
+    )
+    return out.logits
+
+
+def prefill(model, batch: Batch, kwarg: str) -> tuple[DynamicCache, torch.Tensor]:
+    """Run the prompt through a causal LM; returns its cache and the last position's logits [B, V]."""
+    cache = DynamicCache(config=model.config)
+    logits = forward_cached(model, cache, batch, batch.prompt_length, 1, kwarg)
+    return cache, logits[:, -1]
+
+
+def rollback(cache: DynamicCache, length: int) -> None:
+    """Drop cached positions >= length: rejected proposals. The only place KV entries are discarded."""
+    excess = cache.get_seq_length() - length
+    if excess > 0:
+        cache.crop(-excess)

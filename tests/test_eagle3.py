@@ -1,0 +1,448 @@
+"""EAGLE-3 drafts (specdec/eagle3.py): the computation, exact decoding, the target's states read, the unrolled
+training-time test equal to the decoder, save and load; the trainer and eval with draft=eagle3."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import ragged_prompts, tiny_llama
+
+from specdec import speculative_generate, target_generate
+from specdec.eagle3 import Eagle3Draft, Eagle3Drafter, HiddenStateRecorder, _HiddenWindow, default_layer_ids
+from specdec.models import load_model
+from specdec.replay import replay_runs, target_states
+
+VOCAB = 128
+EOS = 2
+LAYERS = [1, 2, 3]  # of a 4-layer target: after 1, 2 and 3 of its decoder layers
+
+
+@pytest.fixture(scope="module")
+def target4():
+    return tiny_llama(seed=0, layers=4)
+
+
+@pytest.fixture(scope="module")
+def random_draft(target4):
+    return Eagle3Draft.from_target(target4, LAYERS, seed=3).eval()
+
+
+def FITTED_PROMPTS() -> torch.Tensor:  # noqa: N802 - a constant, built on demand
+    return ragged_prompts(6, VOCAB, seed=21, min_len=6, max_len=6)[0]
+
+
+def fitted_draft(target, keep_ids=None, steps: int = 120, seed: int = 0) -> Eagle3Draft:
+    """A draft fitted (cross-entropy, 3 unrolled steps) to the target's greedy continuations of a few prompts:
+    it then agrees often on those prompts, so decoding them exercises long accepted runs and full accepts."""
+    draft = Eagle3Draft.from_target(target, LAYERS, keep_ids, seed=seed)
+    prompts = FITTED_PROMPTS()
+    seq = target_generate(target, prompts, max_new_tokens=40).sequences
+    mask = torch.ones_like(seq)
+    states = target_states(draft, target, seq, mask)
+    labels = seq[:, 2:]  # draft position t proposes token t + 2
+    inv = torch.full((VOCAB,), -1, dtype=torch.long)
+    inv[draft.draft_to_target] = torch.arange(draft.config.draft_vocab_size)
+    opt = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(steps):
+        outs = draft(seq, states, attention_mask=mask, ttt_steps=3)
+        loss = 0.0
+        for j, out in enumerate(outs):
+            local, logits = inv[labels[:, j:]], draft.logits(out[:, j:-1])
+            loss = loss + F.cross_entropy(logits[local >= 0], local[local >= 0])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return draft.eval()
+
+
+@pytest.fixture(scope="module")
+def good_draft(target4):
+    return fitted_draft(target4)
+
+
+def reference_step(draft: Eagle3Draft, ids, target_hidden) -> torch.Tensor:
+    """The EAGLE-3 forward written out from the papers' and engines' description, with no cache, causal over
+    the sequence, independently of the module's own code path: logits [B, n, draft_vocab]."""
+    layer, attn = draft.midlayer, draft.midlayer.self_attn
+    h = target_hidden @ draft.fc.weight.T  # fc over cat(a_1, a_2, a_3), no bias
+
+    def rms(x, norm):
+        return norm.weight * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+                              ).to(x.dtype)
+
+    x = torch.cat([rms(draft.embed_tokens(ids), layer.input_layernorm), rms(h, layer.hidden_norm)], dim=-1)
+    b, n, _ = x.shape
+    heads, kv, d = layer.heads, layer.kv_heads, layer.head_dim
+    q = (x @ attn.q_proj.weight.T).view(b, n, heads, d).transpose(1, 2)
+    k = (x @ attn.k_proj.weight.T).view(b, n, kv, d).transpose(1, 2)
+    v = (x @ attn.v_proj.weight.T).view(b, n, kv, d).transpose(1, 2)
+    theta = draft.config.rope_parameters["rope_theta"]
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angles = torch.arange(n, dtype=torch.float64)[:, None] * inv_freq[None]
+    cos, sin = torch.cat([angles, angles], -1).cos().to(x.dtype), torch.cat([angles, angles], -1).sin().to(x.dtype)
+
+    def rotate(t):
+        half = t.shape[-1] // 2
+        return t * cos + torch.cat([-t[..., half:], t[..., :half]], -1) * sin
+
+    q, k = rotate(q), rotate(k)
+    k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
+    scores = (q @ k.transpose(-1, -2)) / d ** 0.5
+    scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    attended = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, -1)
+    r = attended @ attn.o_proj.weight.T + h  # the residual is h itself (norm_before_residual false)
+    mlp = layer.mlp
+    m = rms(r, layer.post_attention_layernorm)
+    out = (F.silu(m @ mlp.gate_proj.weight.T) * (m @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T + r
+    return rms(out, draft.norm) @ draft.lm_head.weight.T
+
+
+def test_the_forward_is_the_eagle3_computation(target4, random_draft):
+    """The module's forward equals the computation written out by hand; swapping the two halves of the attention
+    input, or reading other layers, changes it (so the test can fail)."""
+    ids = torch.tensor([[5, 17, 33, 8, 91, 40]])
+    with torch.no_grad():
+        hidden = random_draft.read_target(target4, ids, torch.ones_like(ids))
+        expected = reference_step(random_draft, ids, hidden)
+        got = random_draft(ids, hidden, torch.arange(6)[None])[1]
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+        swapped = Eagle3Draft.from_target(target4, LAYERS, seed=3).eval()
+        q = swapped.midlayer.self_attn.q_proj.weight
+        h = q.shape[1] // 2
+        q.copy_(torch.cat([q[:, h:], q[:, :h]], 1))
+        assert not torch.allclose(swapped(ids, hidden, torch.arange(6)[None])[1], expected, atol=1e-3)
+        other = random_draft.read_target(target4, ids, torch.ones_like(ids)).roll(1, dims=-1)
+        assert not torch.allclose(random_draft(ids, other, torch.arange(6)[None])[1], expected, atol=1e-3)
+
+
+def test_states_are_the_residual_stream_after_each_layer_id(target4):
+    ids = torch.tensor([[5, 17, 33, 8]])
+    with torch.no_grad(), HiddenStateRecorder(target4, LAYERS) as rec:
+        target4(ids)
+        states = target4.model(ids, output_hidden_states=True).hidden_states  # [0] = embeddings
+        expected = torch.cat([states[i] for i in LAYERS], -1)
+        torch.testing.assert_close(rec.latest, expected)
+
+
+def test_the_vocabulary_map_is_the_engines_offset(target4):
+    keep = torch.tensor([90, 3, 7, 64, 5])  # any order in; draft ids follow ascending target ids
+    draft = Eagle3Draft.from_target(target4, LAYERS, keep_ids=keep)
+    assert draft.draft_to_target.tolist() == [3, 5, 7, 64, 90]
+    assert (torch.arange(5) + draft.d2t).tolist() == [3, 5, 7, 64, 90]  # target id = draft id + d2t[draft id]
+    assert draft.t2d.sum() == 5 and draft.t2d[[3, 5, 7, 64, 90]].all() and draft.d2t.dtype == torch.long
+    torch.testing.assert_close(draft.lm_head.weight, target4.lm_head.weight[[3, 5, 7, 64, 90]])
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("k", [1, 3, 6])
+@pytest.mark.parametrize("which", ["random", "fitted"])
+def test_greedy_output_equals_the_target_alone(target4, random_draft, good_draft, which, batch, k):
+    draft = random_draft if which == "random" else good_draft
+    for seed in range(3):
+        ids, mask = ragged_prompts(batch, VOCAB, seed=seed + 10 * k)
+        if batch == 1:
+            ids, mask = ids[:, mask[0].argmax():], None
+        ref = target_generate(target4, ids, mask, max_new_tokens=40, eos_token_id=EOS)
+        out = speculative_generate(target4, draft, ids, mask, num_draft_tokens=k, max_new_tokens=40, eos_token_id=EOS)
+        assert torch.equal(out.sequences, ref.sequences), f"seed {seed}"
+        assert not out.stats.fallback and out.stats.draft_forwards > 0
+
+
+def test_a_draft_that_agrees_often_gets_long_runs_and_stays_exact(target4, good_draft):
+    prompts = FITTED_PROMPTS()
+    ref = target_generate(target4, prompts, max_new_tokens=40)
+    out = speculative_generate(target4, good_draft, prompts, num_draft_tokens=4, max_new_tokens=40)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert out.stats.acceptance_rate > 0.5 and out.stats.bonus > 0 and out.stats.corrections > 0
+
+
+def test_each_round_reads_the_targets_states_and_the_next_token(target4, good_draft, monkeypatch):
+    """Positions read from the target carry its residual streams at that position (as a full forward over the
+    output computes them) and token t + 1; the window of unread states stays a few positions long."""
+    calls, windows = [], []
+    forward, write = Eagle3Draft.forward, _HiddenWindow.write
+
+    def spy(self, input_ids, hidden, position_ids=None, from_target=True, *args, **kwargs):
+        if from_target and not kwargs.get("ttt_steps"):
+            calls.append((input_ids.clone(), hidden.clone(), position_ids.clone()))
+        return forward(self, input_ids, hidden, position_ids, from_target, *args, **kwargs)
+
+    def spy_write(self, position, values):
+        write(self, position, values)
+        windows.append(self.values.shape[1])
+
+    monkeypatch.setattr(Eagle3Draft, "forward", spy)
+    monkeypatch.setattr(_HiddenWindow, "write", spy_write)
+    prompts = FITTED_PROMPTS()[:1]
+    out = speculative_generate(target4, good_draft, prompts, num_draft_tokens=3, max_new_tokens=30)
+    assert len(windows) >= 5 and max(windows) <= 3 + 1
+    seq = out.sequences
+    with torch.no_grad():
+        states = target4.model(seq, output_hidden_states=True).hidden_states
+    expected = torch.cat([states[i] for i in LAYERS], -1)
+    for input_ids, hidden, positions in calls:
+        start, n = int(positions[0, 0]), input_ids.shape[1]
+        assert torch.equal(input_ids[0], seq[0, start + 1: start + 1 + n])
+        torch.testing.assert_close(hidden[0], expected[0, start: start + n], rtol=1e-6, atol=1e-6)
+    assert len(calls) >= 5
+
+
+def test_unrolled_steps_equal_the_decoders_proposals(target4, good_draft):
+    """Step j of the training-time test at position t is the j-th proposal of the round whose last true position
+    is t - (j - 1), fed the data's tokens: the same pre-norm output as the cached decoder's."""
+    from transformers import DynamicCache
+
+    seq = target_generate(target4, torch.tensor([[5, 17, 33, 8, 91]]), max_new_tokens=14).sequences
+    mask = torch.ones_like(seq)
+    with torch.no_grad():
+        states = target_states(good_draft, target4, seq, mask)
+        outs = good_draft.unrolled(seq, states, mask, 4)
+        for s in range(0, seq.shape[1] - 5):
+            cache = DynamicCache(config=good_draft.config)
+            out, _ = good_draft(seq[:, 1:s + 2], states[:, :s + 1], torch.arange(s + 1)[None], True, cache)
+            torch.testing.assert_close(out[0, -1], outs[0][0, s])
+            for j in range(2, 5):
+                out, _ = good_draft(seq[:, s + j: s + j + 1], out[:, -1:], torch.tensor([[s + j - 1]]), False, cache)
+                torch.testing.assert_close(out[0, -1], outs[j - 1][0, s + j - 1], rtol=1e-6, atol=1e-6)
+
+
+def test_replayed_runs_match_the_decoders_rounds(target4, good_draft):
+    """The held-out simulation is exact: on the target's own greedy output the replay predicts every round's
+    accepted count of the real decoder."""
+    prompts = FITTED_PROMPTS()[:1]
+    k, new = 4, 56  # the draft was fitted on 40 tokens: the rest makes it miss too
+    out = speculative_generate(target4, good_draft, prompts, num_draft_tokens=k, max_new_tokens=new, trace=True)
+    seq = target_generate(target4, prompts, max_new_tokens=new).sequences
+    assert torch.equal(out.sequences, seq)
+    mask = torch.ones_like(seq)
+    loss_mask = torch.zeros_like(seq, dtype=torch.bool)
+    loss_mask[0, prompts.shape[1] - 1: seq.shape[1] - 1] = True
+    runs = replay_runs(good_draft, seq, mask, loss_mask, k, target_states(good_draft, target4, seq, mask))[0]
+    i, length = 1, prompts.shape[1] + 1  # the first round drafts completion token 1 (token 0 is the prefill's)
+    for r in out.trace:
+        k_round = max(1, min(k, prompts.shape[1] + new - length - 1))
+        assert int(r.num_accepted[0]) == min(runs[i], k_round), f"round at completion token {i}"
+        i += r.advanced
+        length += r.advanced
+    assert max(int(r.num_accepted[0]) for r in out.trace) >= 3 and min(runs) == 0
+
+
+def test_save_load_round_trip_is_exact(target4, tmp_path):
+    keep = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[:40]
+    draft = fitted_draft(target4, keep_ids=keep, steps=30)
+    draft.save_pretrained(tmp_path / "e3")
+    config = json.loads((tmp_path / "e3" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 40
+    assert config["eagle_aux_hidden_state_layer_ids"] == LAYERS and config["norm_before_residual"] is False
+    loaded = load_model(str(tmp_path / "e3"), dtype="float64", device="cpu")
+    assert isinstance(loaded, Eagle3Draft) and torch.equal(loaded.draft_to_target, draft.draft_to_target)
+    for name, value in draft.state_dict().items():
+        assert torch.equal(value, loaded.state_dict()[name]), name
+    ids, mask = ragged_prompts(3, VOCAB, seed=4)
+    ref = target_generate(target4, ids, mask, max_new_tokens=32)
+    assert torch.equal(speculative_generate(target4, loaded, ids, mask, 3, max_new_tokens=32).sequences, ref.sequences)
+
+
+def test_an_old_feature_draft_gets_a_retraining_hint(tmp_path):
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "config.json").write_text(json.dumps({"specdec_feature_draft": True, "model_type": "llama"}))
+    with pytest.raises(ValueError, match="retrain it as an EAGLE-3 draft"):
+        load_model(str(tmp_path / "old"), device="cpu")
+
+
+def test_bad_layer_ids_are_refused(target4):
+    with pytest.raises(ValueError, match="distinct ids in 1..3"):
+        Eagle3Draft.from_target(target4, [0, 1, 2])
+    with pytest.raises(ValueError, match="distinct ids in 1..3"):
+        Eagle3Draft.from_target(target4, [1, 1, 2])
+    with pytest.raises(ValueError, match="name them with eagle_aux_layer_ids"):
+        Eagle3Draft.from_target(target4)
+    assert default_layer_ids(30) == [2, 15, 27]  # vLLM's default for SmolLM2-135M
+
+
+def test_a_draft_failure_falls_back_to_the_target(target4, random_draft, monkeypatch):
+    def broken(*_a, **_k):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(Eagle3Drafter, "propose", broken)
+    ids = torch.tensor([[5, 17, 33, 8]])
+    out = speculative_generate(target4, random_draft, ids, num_draft_tokens=2, max_new_tokens=12)
+    assert out.stats.fallback and "boom" in out.stats.fallback_reason
+    assert torch.equal(out.sequences, target_generate(target4, ids, max_new_tokens=12).sequences)
+
+
+# ---- training (train/eagle3_train.py and the trainer) -----------------------------------------------------
+
+
+def test_ttt_step_weights_and_the_loss_masks():
+    from train.eagle3_train import step_weights
+
+    assert step_weights(1, 0.8) == [1.0]
+    w = step_weights(3, 0.8)
+    assert sum(w) == pytest.approx(1.0) and w[1] / w[0] == pytest.approx(0.8) and w[2] / w[1] == pytest.approx(0.8)
+
+
+def test_the_online_teachers_restricted_head_gives_the_restricted_full_logits():
+    from train import losses
+    from train.eagle3_train import teacher_head
+
+    head = torch.nn.Linear(16, VOCAB, bias=True)
+    keep = torch.tensor([0, 2, 5, 9, 64, 127])
+    x = torch.randn(7, 16, generator=torch.Generator().manual_seed(0))
+    restricted = teacher_head(head, keep)
+    assert restricted.out_features == len(keep) and not restricted.weight.requires_grad
+    assert torch.allclose(restricted(x), losses.restrict_teacher(head(x), keep), atol=1e-6)
+
+
+def test_the_loss_is_zero_only_where_the_draft_can_propose(target4):
+    """EAGLE-3's position mask: positions whose target token lies outside the draft vocabulary add nothing, and a
+    draft vocabulary without any of the data's tokens gives a zero loss (not a nan)."""
+    from train.batches import collate
+    from train.distill import TrainConfig
+    from train.eagle3_train import eagle3_loss, target_states
+
+    draft = Eagle3Draft.from_target(target4, LAYERS, keep_ids=torch.tensor([3, 4]))
+    seqs = [[10, 11, 12, 13, 14, 15], [20, 21, 22, 23]]
+    batch = collate({"input_ids": seqs, "prompt_length": [2, 2]}, pad_id=0, max_length=16)
+    states = target_states(target4, batch["input_ids"], batch["attention_mask"], LAYERS).float()
+    inv = torch.full((VOCAB,), -1, dtype=torch.long)
+    inv[draft.draft_to_target] = torch.arange(2)
+    cfg = TrainConfig(draft="eagle3", teacher="offline", loss="ce", ttt_steps=2, eagle_aux_layer_ids=LAYERS)
+    loss = eagle3_loss(cfg, draft, batch, states, None, inv)
+    assert float(loss.detach()) == 0.0 and loss.requires_grad
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+@pytest.mark.parametrize("teacher, steps", [("offline", 1), ("online", 3)])
+def test_the_trainer_distils_an_eagle3_draft_end_to_end(tmp_path, teacher, steps):
+    """draft=eagle3 through the real loop: reduced head, unrolled steps, held-out tau from the replay, best/ and
+    final/ that load as EAGLE-3 drafts and decode exactly; the loss falls on one repeated batch."""
+    import logging
+
+    from conftest import save_tiny_world
+
+    from train import distill
+
+    ws = save_tiny_world(tmp_path / "ws", target_layers=4, small_seed=7, n_train=24, n_heldout=6)
+    cfg = distill.TrainConfig(target=str(ws / "target"), train_data=str(ws / "data"), heldout_data=str(ws / "heldout"),
+                              output_dir=str(tmp_path / "run"), device="cpu", draft="eagle3", teacher=teacher,
+                              eagle_aux_layer_ids=LAYERS, draft_vocab_size=40, ttt_steps=steps, max_steps=12,
+                              per_device_batch_size=24, warmup_steps=0, log_every=1, eval_every=6, save_every=6,
+                              eval_samples=6, eval_batch_size=3, learning_rate=3e-3)
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger("train.distill")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        final = distill.run(cfg)
+    finally:
+        logger.removeHandler(handler)
+    history = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in history] == [0, 6, 12]
+    assert all(1.0 <= h["tau"]["4"] <= 5.0 and 0 <= h["agreement"] <= 1 for h in history)
+    loss = [float(m.split("loss ")[1].split()[0]) for m in messages if m.startswith("step ") and " loss " in m]
+    assert len(loss) == 12 and loss[-1] < 0.8 * loss[0]
+    draft = load_model(str(final), dtype="float32", device="cpu")
+    assert isinstance(draft, Eagle3Draft) and draft.lm_head.out_features == 40 and draft.layer_ids == LAYERS
+    assert isinstance(load_model(str(tmp_path / "run" / "best"), dtype="float32", device="cpu"), Eagle3Draft)
+    target = load_model(str(ws / "target"), dtype="float32", device="cpu")
+    ids, mask = ragged_prompts(2, VOCAB, seed=5)
+    ref = target_generate(target, ids, mask, max_new_tokens=16)
+    assert torch.equal(speculative_generate(target, draft, ids, mask, 3, max_new_tokens=16).sequences, ref.sequences)
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_states_recorded_by_the_data_stage_spare_the_target_forward(tmp_path, monkeypatch):
+    """`specdec data record_features=true` -> an EAGLE-3 draft trains and is scored with no target forward for its
+    states; data recorded with other layers, or without states, falls back to computing them."""
+    from conftest import save_tiny_world
+
+    from train import distill, eagle3_train
+    from train.data import DataConfig
+    from train.data import run as run_data
+
+    ws = save_tiny_world(tmp_path / "ws", target_layers=4, small_seed=7, n_train=2, n_heldout=2)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"explain the sum of {w} and water"}) + "\n"
+                               for w in "a city book list food number simple clear water the".split()))
+    for folder, limit, layers in (("recorded", None, [0, 1, 2]), ("recorded_heldout", 3, [0, 1, 2]),
+                                  ("other", 4, [0, 1])):
+        run_data(DataConfig(target=str(ws / "target"), prompts=str(prompts), output_dir=str(tmp_path / folder),
+                            max_new_tokens=8, batch_size=4, dtype="float32", device="cpu", limit=limit,
+                            record_features=True, feature_aux_layers=layers))
+
+    def no_target_forward(*_args, **_kw):
+        raise AssertionError("the target ran for states the data stage recorded")
+
+    monkeypatch.setattr(eagle3_train, "target_states", no_target_forward)
+    cfg = distill.TrainConfig(target=str(ws / "target"), train_data=str(tmp_path / "recorded"),
+                              heldout_data=str(tmp_path / "recorded_heldout"), output_dir=str(tmp_path / "run"),
+                              device="cpu", draft="eagle3", teacher="online", ttt_steps=2, eagle_aux_layer_ids=LAYERS,
+                              max_steps=4, per_device_batch_size=4, warmup_steps=0, eval_every=0, save_every=0,
+                              eval_samples=3, learning_rate=3e-3)
+    distill.run(cfg)
+    assert len((tmp_path / "run" / "eval.jsonl").read_text().splitlines()) == 2
+    with pytest.raises(AssertionError, match="recorded"):  # recorded with other layers: the states are computed
+        distill.run(dataclasses.replace(cfg, train_data=str(tmp_path / "other"), output_dir=str(tmp_path / "run2")))
+
+
+def test_states_cache_computes_once_and_tells_same_ids_with_other_tokens_apart(target4):
+    import contextlib
+
+    from train.eagle3_train import StatesCache, target_states
+
+    cache = StatesCache(target4, contextlib.nullcontext, LAYERS, target4.config.hidden_size)
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+    first = cache(["a", "b"], {"input_ids": ids, "attention_mask": mask})
+    expected = target_states(target4, ids[:1], mask[:1], LAYERS)[0].float()
+    torch.testing.assert_close(first[0], expected, atol=1e-2, rtol=1e-2)
+    assert first.shape[-1] == 4 * target4.config.hidden_size and first[1, 3].abs().sum() == 0
+    other = cache(["a"], {"input_ids": torch.tensor([[5, 6, 7, 9]]), "attention_mask": torch.ones(1, 4, dtype=torch.long)})
+    assert len(cache.store) == 3 and not torch.equal(other[0, 3], first[0, 3])
+    again = cache(["b", "a"], {"input_ids": ids.flip(0), "attention_mask": mask.flip(0)})
+    assert len(cache.store) == 3 and torch.equal(again[1], first[0])
+
+
+def test_eagle3_config_errors():
+    from train.distill import TrainConfig
+
+    with pytest.raises(ValueError, match="replaced by draft: eagle3"):
+        TrainConfig(draft="feature")
+    with pytest.raises(ValueError, match="on_policy"):
+        TrainConfig(draft="eagle3", teacher="on_policy")
+    with pytest.raises(ValueError, match="lora"):
+        TrainConfig(draft="eagle3", lora=True)
+    with pytest.raises(ValueError, match="ttt_steps must be >= 1"):
+        TrainConfig(draft="eagle3", ttt_steps=0)
+    with pytest.raises(ValueError, match="eagle_aux_layer_ids is for draft=eagle3"):
+        TrainConfig(draft="derived", eagle_aux_layer_ids=[1])
+
+
+def test_specdec_eval_runs_an_eagle3_draft_and_predicts_its_tau_exactly(tmp_path, target4, good_draft):
+    """`specdec eval` with a saved EAGLE-3 draft: exact output, costs timed, and choose_k's replay equal to the
+    decoder's measured tau on the same greedy prompts."""
+    from conftest import TINY_EVAL_PROMPTS, tiny_tokenizer
+
+    from specdec.cli import main
+    from specdec.models import save_model
+
+    tok = tiny_tokenizer()
+    save_model(target4, tok, tmp_path / "target")
+    good_draft.save_pretrained(tmp_path / "e3")
+    tok.save_pretrained(tmp_path / "e3")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in TINY_EVAL_PROMPTS))
+    code = main(["eval", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "e3"), "--prompts",
+                 str(prompts), "--max-new-tokens", "16", "--out", str(tmp_path / "out"), "dtype=float64",
+                 "cost_repeats=2", "threads=1", "choose_k=2,3", "choose_k_prompts=4", "num_prompts=4", "warmup=0"])
+    assert code == 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["equivalence"]["passed"] and report["equivalence"]["mismatches"] == 0
+    ck = report["choose_k"]
+    assert ck["c"] > 0
+    assert ck["tau"][str(ck["chosen"])] == pytest.approx(report["speculative"]["mean_accepted_tokens"])
