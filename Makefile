@@ -25,7 +25,8 @@ demo: setup
 demo-quick: setup
 	$(BIN)/specdec demo --quick
 
-test: setup
+# The engine tests start real vLLM servers: the test run builds vLLM's venv first (once).
+test: setup vllm-env
 	$(BIN)/python -m pytest -q
 
 test-fast: setup

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+from eval.runner import EvalConfig, run
+from eval.verify import VerifyConfig, format_result, run_verify
 from specdec.config import config_from_cli
 
 log = logging.getLogger(__name__)
@@ -22,6 +24,14 @@ choose_k=1,2,3,4 picks k before the timed runs by predicted speedup (a teacher-f
 target's outputs for the first choose_k_prompts prompts, plus timed costs) and measures only that k.
 Prompts: .jsonl/.json with {"prompt"}, {"messages"}, ShareGPT or Spec-Bench records; default embedded:heldout
 (the shipped held-out set). The report goes to --out, else to output_dir/eval from the recipe.
+
+In the serving engine: engine=vllm (or engine=specdec,vllm, both side by side) starts `vllm serve` from vLLM's
+own venv (`make vllm-env`; vllm_python= to point elsewhere) for target-only and speculative, sends the same prompt
+token ids at concurrency=1,4,16 and reads acceptance from its /metrics. vllm_method=auto|draft_model|eagle3|ngram
+(auto reads the draft's config.json), vllm_ngram=true adds an n-gram reference row, vllm_args=[...] passes extra
+server arguments (e.g. --enforce-eager), vllm_speculative_config={...} extra speculative-config keys; also
+vllm_port, vllm_prefix_caching, vllm_side_by_side, vllm_startup_timeout, vllm_request_timeout, vllm_stop_timeout.
+Server logs are kept beside the report (vllm-<mode>.log).
 """
 
 VERIFY_HELP = """usage: specdec verify [--temperature 1.0,0.8 --top-k 0,6 --top-p 1.0,0.9] [--batch-size 2000,1]
@@ -40,15 +50,24 @@ def main_eval(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(EVAL_HELP)
         return 0
-    from eval.runner import EvalConfig, run
 
     cfg = config_from_cli(EvalConfig, argv, section="eval")
     result = run(cfg)
     s = result["speculative"]
-    print(f"speedup {result['speedup']:.3f}x (analytical {result['analytical_speedup']:.3f}x), acceptance rate "
-          f"{s['acceptance_rate']:.3f}, tau {s['mean_accepted_tokens']:.3f}, k={result['config']['num_draft_tokens']} "
-          f"batch={result['config']['batch_size']}; equivalence {result['equivalence']['mode']}: "
-          f"{result['equivalence']['passed']}; verdict {result['decision']['verdict']}")
+    if "specdec" in cfg.engine:
+        print(f"speedup {result['speedup']:.3f}x (analytical {result['analytical_speedup']:.3f}x), acceptance rate "
+              f"{s['acceptance_rate']:.3f}, tau {s['mean_accepted_tokens']:.3f}, k={result['config']['num_draft_tokens']} "
+              f"batch={result['config']['batch_size']}; equivalence {result['equivalence']['mode']}: "
+              f"{result['equivalence']['passed']}; verdict {result['decision']['verdict']}")
+    if result.get("engine"):
+        e = result["engine"]
+        for row in e["sweep"]:
+            speedup = "n/a" if row["speedup"] is None else f"{row['speedup']:.3f}x"
+            print(f"vLLM {row['method']} at concurrency {row['concurrency']}: speedup {speedup}, tokens/s "
+                  f"{row['baseline_tokens_per_s'] or 0:.1f} -> {row['speculative_tokens_per_s']:.1f}, acceptance rate "
+                  f"{row['acceptance_rate'] or 0:.3f}, tau {row['mean_accepted_tokens'] or 0:.3f}")
+        print(f"vLLM equivalence {e['equivalence']['mode']}: {e['equivalence']['passed']}; engine verdict "
+              f"{e['decision']['verdict']}")
     print(f"report: {cfg.out_dir() / 'report.md'}")
     return 0
 
@@ -58,7 +77,6 @@ def main_verify(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(VERIFY_HELP)
         return 0
-    from eval.verify import VerifyConfig, format_result, run_verify
 
     cfg = config_from_cli(VerifyConfig, argv, section=None)
     result = run_verify(cfg)

@@ -14,7 +14,15 @@ With a_j = alpha for all j and v = 1 this is the paper's (1 - alpha^(k+1)) / ((1
 from __future__ import annotations
 
 import math
+import os
+import platform
+import sys
 from collections.abc import Sequence
+
+import torch
+import transformers
+
+from specdec.tokens import generated_length
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -115,16 +123,7 @@ def memory_overhead_mb(baseline_peaks_mb: Sequence[float], speculative_peaks_mb:
 
 def generated_lengths(rows: Sequence[Sequence[int]], eos_token_id: int | Sequence[int] | None) -> list[int]:
     """Real generated tokens per row: up to and including the first EOS (the rest is padding)."""
-    eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
-    lengths = []
-    for row in rows:
-        n = len(row)
-        for i, tok in enumerate(row):
-            if tok in eos:
-                n = i + 1
-                break
-        lengths.append(n)
-    return lengths
+    return [generated_length(row, eos_token_id) for row in rows]
 
 
 def first_mismatch(a: Sequence[int], b: Sequence[int]) -> int | None:
@@ -133,3 +132,11 @@ def first_mismatch(a: Sequence[int], b: Sequence[int]) -> int | None:
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def environment(device: torch.device) -> dict:
+    """What a report's figures were measured on: versions, device, threads, platform."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
+    return {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
+            "device": f"{device.type} ({name})", "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+            "platform": platform.platform()}

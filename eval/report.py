@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from eval import engine_markdown
+
 FORMULA = (
     "Analytical speedup (Leviathan et al. 2022, with per-position acceptance and a measured verify cost):\n\n"
     "    tau_hat = 1 + sum_{i=1..k} prod_{j<=i} a_j        (expected tokens per round)\n"
@@ -124,6 +126,8 @@ def to_markdown(r: dict) -> str:
                          f"{c['speculative_tokens_per_s']:.2f} | {c['speedup']:.3f} | {c['acceptance_rate']:.3f} | "
                          f"{c['mean_accepted_tokens']:.3f} |")
         lines += ["", "For batch sizes above 1 a batch's time and counters are shared equally among its prompts."]
+    if r.get("engine"):  # engine=specdec,vllm: the serving engine's figures beside the decoder's
+        lines += engine_markdown.markdown_lines(r)
     lines += [
         "", "## Method", "",
         "Both modes decode the same prompts with the same settings in one process; for each batch the order "
@@ -174,4 +178,7 @@ def write(result: dict, out_dir: Path) -> None:
     """Write report.json and report.md into out_dir."""
     out_dir = Path(out_dir)
     (out_dir / "report.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-    (out_dir / "report.md").write_text(to_markdown(result))
+    if "specdec" in result["config"].get("engine", ["specdec"]):
+        (out_dir / "report.md").write_text(to_markdown(result))
+    else:  # engine=vllm alone: the engine's own layout
+        (out_dir / "report.md").write_text(engine_markdown.to_markdown(result))

@@ -18,21 +18,31 @@ import gc
 import json
 import logging
 import os
-import platform
 import statistics
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import torch
 from tqdm.auto import tqdm
+from transformers import DynamicCache
 
 from eval import decision as decision_mod
-from eval import equivalence, metrics, plots, report
+from eval import engine_report, equivalence, metrics, plots, report
+from eval.engine_vllm import check_settings
 from eval.verify import _draft_tokenizer, check_pair, first_turn, resolve_prompts_path
-from specdec.decode import cache_kwarg, speculative_generate, target_generate
+from specdec import replay
+from specdec.compat import check_compatible
+from specdec.decode import DecodeStats, speculative_generate, target_generate
+from specdec.drafter import make_drafter
+from specdec.fast_linear import fast_linears
+from specdec.kv import Batch, cache_kwarg, prefill
+from specdec.models import load_model, load_tokenizer, resolve_device, share_target_embeddings
+from specdec.prompts import encode_prompt, read_prompts
 from specdec.sampling import SamplingConfig
+from specdec.tokens import left_pad, tokenizer_pad_id
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +86,25 @@ class EvalConfig:
     # choose_num_draft_tokens) and measure only it; replaces num_draft_tokens. [] = off.
     choose_k: list[int] = field(default_factory=list)
     choose_k_prompts: int = 4  # calibration prompts (the first ones, which also serve as warm-up)
+    # --- the serving engine (eval/engine_vllm.py): where the draft is measured; specdec = this decoder
+    engine: list[str] = field(default_factory=lambda: ["specdec"])  # specdec | vllm | specdec,vllm (side by side)
+    concurrency: list[int] = field(default_factory=lambda: [1, 4, 16])  # vllm: closed-loop clients per level
+    vllm_method: str = "auto"  # auto (the draft's config.json: eagle3 or draft_model) | draft_model | eagle3 | ngram
+    vllm_ngram: bool = False  # add vLLM's n-gram prompt lookup as a reference row (no training)
+    vllm_ngram_lookup: list[int] = field(default_factory=lambda: [2, 4])  # its [min, max] n-gram sizes
+    vllm_python: str | None = None  # vLLM's Python (default: $SPECDEC_VLLM_PYTHON, then .venv-vllm, `make vllm-env`)
+    vllm_args: list[str] = field(default_factory=list)  # extra `vllm serve` arguments, e.g. [--enforce-eager]
+    vllm_speculative_config: dict | None = None  # keys added to every --speculative-config
+    vllm_port: int | None = None  # first port (one per server); None: free ports
+    vllm_prefix_caching: bool = False  # off: the repeated prompts of each level would be served from the cache
+    vllm_side_by_side: bool | None = None  # servers at once, alternating (None: on a CPU build; GPU: one at a time)
+    vllm_startup_timeout: float = 900.0  # seconds for a server to answer /health
+    vllm_request_timeout: float = 600.0  # seconds for one streamed completion
+    vllm_stop_timeout: float = 30.0  # seconds between SIGTERM and SIGKILL
 
     def __post_init__(self) -> None:
-        if not self.draft:
+        check_settings(self)
+        if not self.draft and not (self.engine == ["vllm"] and self.vllm_method == "ngram"):
             raise ValueError("eval needs a draft: pass --draft PATH_OR_HUB_ID (a checkpoint from `specdec train`)")
         if not self.prompts:
             raise ValueError("eval needs prompts: pass --prompts FILE.jsonl (default: embedded:heldout)")
@@ -185,7 +211,6 @@ class PeakMemory:
             return torch.cuda.max_memory_allocated(self.device) / 2**20
         if self.can_reset_hwm:
             return self._hwm_mb() or 0.0
-        import psutil
 
         return psutil.Process(os.getpid()).memory_info().rss / 2**20
 
@@ -201,32 +226,44 @@ def _weights_mb(model, shared_with=None) -> float:
 
 
 class _CachedStep:
-    """One kind of timed forward: n_new tokens of `model` after the prompt `ids` [B, L], on its own cache, which
-    is cut back after each call."""
+    """One kind of timed target forward: n_new tokens after the prompt `ids` [B, L], on its own cache, which is
+    cut back after each call."""
 
     def __init__(self, model, ids: torch.Tensor, n_new: int):
-        from transformers import DynamicCache
 
         self.model, self.n_new = model, n_new
         self.kwarg = cache_kwarg(model)
         self.cache = DynamicCache(config=model.config)
-        self._forward(ids, use_cache=True, logits_to_keep=1, **{self.kwarg: self.cache})
+        model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self.kwarg: self.cache})
         length = self.cache.get_seq_length()
         self.x = ids[:, -1:].expand(-1, n_new).contiguous()
         self.pos = torch.arange(length, length + n_new, device=ids.device)[None].expand(ids.shape[0], -1)
 
-    def _forward(self, x, **kwargs):
-        if getattr(self.model, "is_feature_draft", False):  # it also reads a feature per token (values do not matter)
-            kwargs.pop("use_cache")
-            return self.model(x, x.new_zeros(*x.shape, self.model.config.hidden_size, dtype=self.model.dtype),
-                              **kwargs)
-        return self.model(input_ids=x, **kwargs)
+    def __call__(self) -> None:
+        # Verification keeps every logit row, as the decoder does.
+        self.model(input_ids=self.x, position_ids=self.pos, use_cache=True,
+                   logits_to_keep=1 if self.n_new == 1 else 0, **{self.kwarg: self.cache})
+        self.cache.crop(-self.n_new)
+
+
+class _DraftStep:
+    """The draft's timed forward, through its own drafter (any kind of draft): one new position after the
+    prompt `ids` and the target's first token, as a round's first proposal (specdec/drafter.py: timed_step)."""
+
+    def __init__(self, target, draft, ids: torch.Tensor):
+        self.drafter = make_drafter(draft, target, SamplingConfig())
+        self.batch = Batch(ids, None, 2, 2, None, 0)
+        _, logits = prefill(target, self.batch, cache_kwarg(target))
+        self.batch.append(logits.argmax(-1)[:, None])
+        self.drafter.start(self.batch)
+        self.drafter.propose(self.batch, 1, None, DecodeStats())  # reads the prompt: not timed
+        self.drafter.rollback(self.batch)
 
     def __call__(self) -> None:
-        # Draft steps keep one logit row, verification all of them, as the decoder does.
-        self._forward(self.x, position_ids=self.pos, use_cache=True, logits_to_keep=1 if self.n_new == 1 else 0,
-                      **{self.kwarg: self.cache})
-        self.cache.crop(-self.n_new)
+        self.drafter.timed_step(self.batch)
+
+    def close(self) -> None:
+        self.drafter.close()
 
 
 def measure_costs(target, draft, ids: torch.Tensor, ks: list[int], repeats: int, clock=time.perf_counter) -> dict:
@@ -237,23 +274,26 @@ def measure_costs(target, draft, ids: torch.Tensor, ks: list[int], repeats: int,
     kind alike; each figure is a median over the passes. Timed kind after kind instead, on a 2-core VM, a
     4-token verification once measured 0.84 of a 1-token step, and choose_k picked k = 3 for a draft that
     then measured 1.12x (k = 1 gave it 1.21x in another run; interleaved, choose_k picked k = 1: 1.27x)."""
-    from specdec.fast_linear import fast_linears
 
     device = ids.device
     with torch.inference_mode(), fast_linears(target, draft):  # the layers the decoders use
-        steps = {"target": _CachedStep(target, ids, 1), "draft": _CachedStep(draft, ids, 1),
+        draft_step = _DraftStep(target, draft, ids)
+        steps = {"target": _CachedStep(target, ids, 1), "draft": draft_step,
                  **{k: _CachedStep(target, ids, k + 1) for k in ks}}
         order = list(steps)
-        for step in steps.values():  # warm-up
-            step()
-        times: dict = {name: [] for name in order}
-        for i in range(repeats):
-            for name in order[i % len(order):] + order[: i % len(order)]:
-                _sync(device)
-                t0 = clock()
-                steps[name]()
-                _sync(device)
-                times[name].append(clock() - t0)
+        try:
+            for step in steps.values():  # warm-up
+                step()
+            times: dict = {name: [] for name in order}
+            for i in range(repeats):
+                for name in order[i % len(order):] + order[: i % len(order)]:
+                    _sync(device)
+                    t0 = clock()
+                    steps[name]()
+                    _sync(device)
+                    times[name].append(clock() - t0)
+        finally:
+            draft_step.close()
     t1, d1 = statistics.median(times["target"]), statistics.median(times["draft"])
     verify = {k: statistics.median(times[k]) for k in ks}
     return {"target_step_ms": 1e3 * t1, "draft_step_ms": 1e3 * d1, "c": d1 / t1,
@@ -265,17 +305,11 @@ def choose_num_draft_tokens(target, draft, prompts: list[list[int]], candidates:
                             eos, pad, device: torch.device) -> dict:
     """Pick k by predicted speedup: tau(k) / (k c + v(k+1)), all measured here, before any timed run.
 
-    tau(k) comes from the draft teacher-forced on the target's own outputs for `prompts` (one forward per
-    prompt): greedy rounds replayed exactly (train.simulate). Under sampling the target's sampled output and
+    tau(k) comes from the draft teacher-forced on the target's own outputs for `prompts`: greedy rounds replayed
+    exactly (specdec/replay.py, for any kind of draft). Under sampling the target's sampled output and
     the draft's argmax give an estimate, not the exact figure. c and v are timed as in the report.
     """
-    from specdec.vocab import draft_to_target_map
-    from train import feature_train
-    from train.simulate import simulated_tau
-
-    id_map = draft_to_target_map(draft)
-    feature = getattr(draft, "is_feature_draft", False)
-    agreements, runs = [], []
+    runs = []
     with torch.inference_mode():
         for i, prompt in enumerate(prompts):
             ids = torch.tensor([prompt], device=device)
@@ -283,23 +317,16 @@ def choose_num_draft_tokens(target, draft, prompts: list[list[int]], candidates:
             out = target_generate(target, ids, None, cfg.sampling(), cfg.max_new_tokens, eos, gen, pad)
             seq = out.sequences[:, : len(prompt) + metrics.generated_lengths(
                 out.sequences[:, len(prompt):].tolist(), eos)[0]]
-            # The first token comes from the target's prefill; rounds start after it, as in the decoder.
-            n_rounds = seq.shape[1] - len(prompt) - 1
-            if n_rounds < 1:
+            if seq.shape[1] - len(prompt) < 2:
                 continue
-            if feature:  # its later proposals read its own guessed features: unroll them (train/feature_train.py)
-                mask = torch.ones_like(seq)
-                scored = torch.zeros_like(seq, dtype=torch.bool)
-                scored[0, len(prompt): seq.shape[1] - 1] = True
-                outs = feature_train.unrolled(draft, seq, feature_train.target_features(target, seq, mask), mask,
-                                              max(candidates))
-                runs += feature_train.run_lengths(draft.get_output_embeddings(), outs, seq, scored, id_map)
-                continue
-            logits = draft(input_ids=seq[:, :-1], logits_to_keep=n_rounds).logits[0]
-            guess = logits.argmax(-1)
-            guess = guess if id_map is None else id_map.to(device)[guess]
-            agreements.append((guess == seq[0, len(prompt) + 1:]).tolist())
-    tau = feature_train.tau_from_runs(runs, candidates) if feature else simulated_tau(agreements, candidates)
+            # The first token comes from the target's prefill; rounds start after it, as in the decoder: logits
+            # positions from len(prompt) on, each predicting the next completion token.
+            mask = torch.ones_like(seq)
+            scored = torch.zeros_like(seq, dtype=torch.bool)
+            scored[0, len(prompt): seq.shape[1] - 1] = True
+            states = replay.target_states(draft, target, seq, mask)
+            runs += replay.replay_runs(draft, seq, mask, scored, max(candidates), states)
+    tau = replay.tau_from_runs(runs, candidates)
     costs = measure_costs(target, draft, torch.tensor([prompts[0]], device=device), candidates, cfg.cost_repeats)
     predicted = {k: tau[k] / (k * costs["c"] + costs["v"][str(k)]) for k in candidates}
     chosen = max(candidates, key=lambda k: (predicted[k], -k))
@@ -307,17 +334,6 @@ def choose_num_draft_tokens(target, draft, prompts: list[list[int]], candidates:
     return {"candidates": candidates, "prompts": len(prompts), "tau": {str(k): tau[k] for k in candidates},
             "c": costs["c"], "v": costs["v"], "predicted_speedup": {str(k): predicted[k] for k in candidates},
             "chosen": chosen}
-
-
-def left_pad(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded input_ids and attention_mask [B, L] for a list of token lists."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
-        mask[i, width - len(r):] = 1
-    return ids.to(device), mask.to(device)
 
 
 @dataclass
@@ -412,17 +428,6 @@ def _categories(prompts, base: list[Call], spec: list[Call], k: int) -> dict:
     return out
 
 
-def _environment(device: torch.device) -> dict:
-    import sys
-
-    import transformers
-
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
-    return {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
-            "device": f"{device.type} ({name})", "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-            "platform": platform.platform()}
-
-
 # ---------------------------------------------------------------- the run
 
 
@@ -432,15 +437,14 @@ def run(cfg: EvalConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     try:
+        if "vllm" in cfg.engine:  # the serving engine, after this decoder when both are asked for
+            return engine_report.run(cfg, _run if "specdec" in cfg.engine else None)
         return _run(cfg)
     finally:
         torch.set_num_threads(threads)
 
 
 def _run(cfg: EvalConfig) -> dict:
-    from specdec.compat import check_compatible
-    from specdec.models import load_model, load_tokenizer, resolve_device, share_target_embeddings
-    from specdec.prompts import encode_prompt, read_prompts
 
     out_dir = cfg.out_dir()
     wandb_run = _start_wandb(cfg, out_dir) if cfg.report_to == "wandb" else None
@@ -460,7 +464,7 @@ def _run(cfg: EvalConfig) -> dict:
     if any(len(e) == 0 for e in encoded):
         raise ValueError("a prompt encodes to zero tokens; remove empty prompts from the file")
     eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
+    pad = tokenizer_pad_id(tokenizer)
     chosen_k = None
     if cfg.choose_k:
         chosen_k = choose_num_draft_tokens(target, draft, encoded[: cfg.choose_k_prompts], cfg.choose_k, cfg,
@@ -624,7 +628,7 @@ def _assemble(cfg, prompts, rows, best, eq, costs, device, timing) -> dict:
     }
     result = {
         "config": config,
-        "environment": _environment(device),
+        "environment": metrics.environment(device),
         "baseline": _public(best["baseline"]),
         "speculative": _public(best["speculative"]),
         "speedup": best["speedup"],

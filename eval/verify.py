@@ -27,8 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
+from specdec.compat import check_compatible
 from specdec.decode import speculative_generate, target_generate
+from specdec.models import load_model, load_tokenizer
+from specdec.prompts import encode_prompt, read_prompts
 from specdec.sampling import SamplingConfig, probabilities
 
 log = logging.getLogger(__name__)
@@ -178,7 +182,6 @@ def sample_tokens(
 
 def tiny_pair(vocab_size: int = 16, seed: int = 0, head_scale: float = 30.0, draft_noise: float = 0.7):
     """A seeded tiny Llama target and a draft that agrees with it partly (its weights, perturbed)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -377,9 +380,6 @@ def run_verify(cfg: VerifyConfig) -> dict:
 
 
 def _check_user_pair(cfg: VerifyConfig) -> dict:
-    from specdec.compat import check_compatible
-    from specdec.models import load_model, load_tokenizer
-    from specdec.prompts import encode_prompt, read_prompts
 
     prompts = read_prompts(resolve_prompts_path(cfg.prompts), limit=cfg.num_prompts)
     tokenizer = load_tokenizer(cfg.target)
@@ -408,7 +408,6 @@ def first_turn(messages: list[dict]) -> list[dict]:
 
 def _draft_tokenizer(draft: str, fallback):
     """The draft's own tokenizer when its checkpoint has one, else the target's (a draft saved without one)."""
-    from specdec.models import load_tokenizer
 
     try:
         return load_tokenizer(draft)

@@ -28,6 +28,7 @@ from specdec.drafter import make_drafter
 from specdec.fast_linear import fast_linears
 from specdec.kv import Batch, cache_kwarg, forward_cached, prefill, rollback
 from specdec.sampling import SamplingConfig, next_token, probabilities
+from specdec.tokens import pad_id
 from specdec.verify import greedy_verify, rejection_verify
 
 log = logging.getLogger(__name__)
@@ -165,14 +166,6 @@ def _check_inputs(target, input_ids, attention_mask, max_new_tokens, lookahead, 
             )
 
 
-def _pad_id(pad_token_id, eos_token_id) -> int:
-    if pad_token_id is not None:
-        return int(pad_token_id)
-    if eos_token_id is None:
-        return 0
-    return int(eos_token_id if isinstance(eos_token_id, int) else eos_token_id[0])
-
-
 class _Clock:
     """Device-synchronised timestamps, only when asked (a sync per step costs time on GPUs)."""
 
@@ -236,7 +229,7 @@ def target_generate(
     _check_inputs(target, input_ids, attention_mask, max_new_tokens, lookahead=0)
     if top_logprobs < 0:
         raise ValueError(f"top_logprobs must be >= 0 (0 = off), got {top_logprobs}")
-    batch = Batch(input_ids, attention_mask, max_new_tokens, 0, eos_token_id, _pad_id(pad_token_id, eos_token_id))
+    batch = Batch(input_ids, attention_mask, max_new_tokens, 0, eos_token_id, pad_id(pad_token_id, eos_token_id))
     stats, clock, kwarg = DecodeStats(), _Clock(timing, input_ids.device), cache_kwarg(target)
     top_n = _TopN(top_logprobs)
     cache, logits = prefill(target, batch, kwarg)
@@ -268,7 +261,7 @@ def speculative_generate(
     """Speculative decoding, exact: greedy output equals `target_generate`'s; sampled output is distributed as p."""
     k = num_draft_tokens
     _check_inputs(target, input_ids, attention_mask, max_new_tokens, k + 1, draft, k)
-    batch = Batch(input_ids, attention_mask, max_new_tokens, k + 1, eos_token_id, _pad_id(pad_token_id, eos_token_id))
+    batch = Batch(input_ids, attention_mask, max_new_tokens, k + 1, eos_token_id, pad_id(pad_token_id, eos_token_id))
     stats = DecodeStats(num_draft_tokens=k, position_tried=[0] * k, position_accepted=[0] * k)
     clock = _Clock(timing, input_ids.device)
     try:

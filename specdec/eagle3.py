@@ -43,6 +43,8 @@ from specdec.kv import Batch, rollback
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # the name vLLM and SGLang both resolve to their EAGLE-3 Llama draft
 WEIGHTS_FILE = "model.safetensors"
+FORMATS = ("engines", "speculators")  # the published layouts (save_pretrained)
+SPECULATORS_VERSION = "0.9.0"  # the speculators release whose format `format="speculators"` writes
 OLD_FEATURE_FLAG = "specdec_feature_draft"  # specdec's earlier feature-draft layout (replaced by this one)
 
 
@@ -64,7 +66,8 @@ def check_layer_ids(layer_ids, num_layers: int) -> list[int]:
 
 
 def is_eagle3_config(config: dict) -> bool:
-    return ARCHITECTURE in (config.get("architectures") or [])
+    """The engines' layout (architecture LlamaForCausalLMEagle3) or speculators' (speculators_model_type eagle3)."""
+    return ARCHITECTURE in (config.get("architectures") or []) or config.get("speculators_model_type") == "eagle3"
 
 
 def is_eagle3_dir(path: str | Path) -> bool:
@@ -103,6 +106,7 @@ def draft_config(target_config, layer_ids: list[int], draft_vocab_size: int) -> 
     config.draft_vocab_size = int(draft_vocab_size)
     config.target_hidden_size = hidden
     config.target_num_hidden_layers = text.num_hidden_layers
+    config.target_architectures = list(getattr(target_config, "architectures", None) or ["LlamaForCausalLM"])
     config.eagle_aux_hidden_state_layer_ids = list(layer_ids)
     # Written out, not left to defaults: vLLM's plain path defaults it to false, speculators' format to true.
     config.norm_before_residual = False
@@ -301,6 +305,7 @@ class Eagle3Draft(nn.Module):
     @torch.no_grad()
     def read_target(self, target: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """The target's residual stream after each of `layer_ids`, concatenated; no head computed.  [B, S, 3 H]"""
+        self.adopt_target(target)
         with HiddenStateRecorder(target, self.layer_ids) as recorder:
             target.get_decoder()(input_ids=input_ids, attention_mask=attention_mask)
             return recorder.latest
@@ -377,33 +382,92 @@ class Eagle3Draft(nn.Module):
         )
         return config
 
-    def save_pretrained(self, out_dir: str | Path, state_dict: dict | None = None, **_ignored) -> None:
-        """config.json + model.safetensors; `state_dict` = a gathered one (FSDP, DeepSpeed)."""
+    def speculators_config(self, verifier: str, verifier_architectures: list[str], num_draft_tokens: int) -> dict:
+        """config.json in vLLM speculators' format (speculators 0.9's `Eagle3DraftModel`; `vllm serve DIR` detects
+        it and serves DIR as the draft of `verifier`). No top-level model_type: vLLM reads it as this format."""
+        layer = self.engine_config()
+        for key in ("architectures", "draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids",
+                    "num_aux_hidden_states", "eagle_config", "norm_before_residual", "norm_before_fc", "fc_norm",
+                    "norm_output", "target_num_hidden_layers", "target_architectures"):
+            layer.pop(key, None)
+        return {
+            "architectures": ["Eagle3DraftModel"],
+            "speculators_model_type": "eagle3",
+            "speculators_version": SPECULATORS_VERSION,
+            "speculators_config": {
+                "algorithm": "eagle3", "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(num_draft_tokens),
+                                      "accept_tolerance": 0.0, "verifier_accept_k": 1}],
+                "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures)},
+            },
+            "transformer_layer_config": layer,
+            "draft_vocab_size": self.config.draft_vocab_size,
+            "target_hidden_size": self.config.target_hidden_size,
+            "eagle_aux_hidden_state_layer_ids": list(self.layer_ids),
+            # vLLM reading this format defaults norm_before_residual to true, speculators to false: written out.
+            "norm_before_residual": self.midlayer.norm_before_residual, "norm_before_fc": False, "fc_norm": False,
+            "norm_output": False, "embed_requires_grad": False, "tie_word_embeddings": False,
+            "torch_dtype": str(self.dtype).removeprefix("torch."),
+        }
+
+    def save_pretrained(self, out_dir: str | Path, state_dict: dict | None = None, format: str = "engines",
+                        speculators: dict | None = None, **_ignored) -> None:
+        """config.json + model.safetensors; `state_dict` = a gathered one (FSDP, DeepSpeed).
+
+        format="engines": the layout vLLM (`method: eagle3`) and SGLang (`EAGLE3`) load, weights under `midlayer.`.
+        format="speculators": speculators' own layout (`speculators` = `speculators_config`'s arguments), weights
+        under `layers.0.` as its `Eagle3DraftModel` names them. Both store an exact copy of the target's
+        embeddings: vLLM then shares the target's, SGLang overwrites them, and speculators 0.9 under
+        transformers 5 would otherwise run with uninitialised ones."""
         from safetensors.torch import save_file
 
+        if format not in FORMATS:
+            raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(self.engine_config(), indent=2, sort_keys=True) + "\n")
         state = self.state_for_engines() if state_dict is None else {
             k: v.detach().cpu().contiguous() for k, v in state_dict.items() if not k.startswith("rotary_emb.")}
+        if format == "speculators":
+            if speculators is None:
+                raise ValueError("format=speculators needs the verifier: speculators={verifier, "
+                                 "verifier_architectures, num_draft_tokens}")
+            config = self.speculators_config(**speculators)
+            state = {k.replace("midlayer.", "layers.0."): v for k, v in state.items()}
+            if self.config.draft_vocab_size == self.config.vocab_size:  # speculators has no map then
+                state = {k: v for k, v in state.items() if k not in ("d2t", "t2d")}
+        else:
+            config = self.engine_config()
+        (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         save_file(state, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> Eagle3Draft:
+        """Load either layout (engines' or speculators'). A checkpoint without embeddings (the engines share the
+        target's) takes the target's when it first meets it (`adopt_target`)."""
         from safetensors.torch import load_file
 
-        config = LlamaConfig.from_pretrained(str(path))
+        raw = json.loads((Path(path) / "config.json").read_text())
+        if raw.get("speculators_model_type") == "eagle3":
+            layer = dict(raw.get("transformer_layer_config") or {})
+            raw = {**layer, **{k: v for k, v in raw.items() if k not in ("transformer_layer_config", "architectures")}}
+        raw.pop("model_type", None)
+        config = LlamaConfig(**raw)
+        config.architectures = [ARCHITECTURE]
         for key in ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids"):
             if getattr(config, key, None) is None:
                 raise ValueError(f"{path}/config.json lacks {key}: not an EAGLE-3 draft config")
+        config.norm_before_residual = bool(getattr(config, "norm_before_residual", False))
+        for flag in ("norm_before_fc", "fc_norm", "norm_output"):
+            if getattr(config, flag, False):
+                raise ValueError(f"{path}: {flag}=true EAGLE-3 drafts are not supported by specdec's decoder yet")
         draft = cls(config).to(dtype)
         state = load_file(str(Path(path) / WEIGHTS_FILE))
         state = {k.replace("layers.0.", "midlayer."): v for k, v in state.items()}
-        if "embed_tokens.weight" not in state:
-            raise ValueError(f"{path} stores no embed_tokens (the engines take the target's): load it with "
-                             "specdec.models.load_model(path, target=...) so the target's are used")
+        draft.needs_target_embeddings = "embed_tokens.weight" not in state
+        if draft.needs_target_embeddings:
+            state["embed_tokens.weight"] = torch.full_like(draft.embed_tokens.weight, float("nan"))
         missing, unexpected = draft.load_state_dict(state, strict=False)
-        missing = [m for m in missing if not m.startswith("rotary_emb.")]
+        missing = [m for m in missing if not m.startswith("rotary_emb.") and m not in ("d2t", "t2d")]
         if missing or unexpected:
             raise ValueError(f"{path}: EAGLE-3 weights do not match its config (missing {missing}, "
                              f"unexpected {unexpected})")
@@ -411,8 +475,19 @@ class Eagle3Draft(nn.Module):
         draft.embed_tokens.weight.requires_grad_(False)
         return draft.eval()
 
+    def adopt_target(self, target: nn.Module) -> None:
+        """Share the target's input embeddings when this draft's checkpoint stored none (as the engines do)."""
+        if getattr(self, "needs_target_embeddings", False):
+            weight = target.get_input_embeddings().weight
+            if weight.shape != self.embed_tokens.weight.shape:
+                raise ValueError(f"the target embeds {tuple(weight.shape)}, the draft expects "
+                                 f"{tuple(self.embed_tokens.weight.shape)}: another target?")
+            self.embed_tokens.weight = weight
+            self.needs_target_embeddings = False
+
     def make_drafter(self, target, sampling):
         """The decoder's side of this draft (specdec/drafter.py's interface)."""
+        self.adopt_target(target)
         return Eagle3Drafter(self, target, sampling)
 
 

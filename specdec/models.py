@@ -223,11 +223,12 @@ def load_tokenizer(name_or_path: str):
         raise ValueError(f"could not load the tokenizer of {name_or_path!r}: {err}") from err
 
 
-def save_model(model: torch.nn.Module, tokenizer, out_dir: str | Path) -> Path:
-    """Save a model (and tokenizer) as a plain transformers checkpoint, with the id map for reduced drafts."""
+def save_model(model: torch.nn.Module, tokenizer, out_dir: str | Path, **save_options) -> Path:
+    """Save a model (and tokenizer) as a plain transformers checkpoint, with the id map for reduced drafts;
+    `save_options` go to the model's own save_pretrained (an EAGLE-3 draft's format, for instance)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir)
+    model.save_pretrained(out_dir, **save_options)
     vocab.save_vocab_map(model, out_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)

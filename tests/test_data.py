@@ -17,6 +17,7 @@ import torch
 from conftest import tiny_llama, tiny_tokenizer
 
 from specdec.decode import target_generate
+from specdec.eagle3 import HiddenStateRecorder
 from specdec.prompts import encode_prompt, read_prompts
 from train import data as gen
 from train.data import DataConfig, conversation, load_generated, plan_items, run
@@ -57,6 +58,14 @@ def _cfg(target: Path, prompts: Path, out: Path, **kw) -> DataConfig:
     return DataConfig(**base)
 
 
+def full_features(model, ids: list[int], layer_ids: list[int]) -> torch.Tensor:
+    """The target's states over a whole sequence in one unpadded forward (final norm, then after each layer id),
+    [len, W]."""
+    with HiddenStateRecorder(model, layer_ids, final=True) as rec, torch.no_grad():
+        model.get_decoder()(input_ids=torch.tensor([ids]))
+        return rec.latest[0]
+
+
 def _rows(out: Path) -> list[dict]:
     return sorted(load_generated(out).to_list(), key=lambda r: (r["prompt_id"], r["sample_index"], r["turn"]))
 
@@ -75,6 +84,10 @@ def test_config_validation():
         DataConfig(shard_size=0)
     with pytest.raises(ValueError, match="unknown dtype"):
         DataConfig(dtype="bf15")
+    with pytest.raises(ValueError, match="backend=vllm computes in float32.*backend=transformers"):
+        DataConfig(backend="vllm", dtype="float64")
+    with pytest.raises(ValueError, match="vllm_args must be a mapping"):
+        DataConfig(vllm_args="enforce_eager")
 
 
 def test_conversation_split():
@@ -153,19 +166,17 @@ def test_generated_rows_match_the_target(tiny_target, tmp_path):
 def test_recorded_features_equal_the_targets_own_on_the_whole_sequence(tiny_target, tmp_path):
     """record_features=true keeps, per row, what a full forward over the row would give at every fed position
     (batched, left-padded, multi-turn rows included), in the rows' order, beside each shard."""
-    from train.feature_train import target_features
-
     out = tmp_path / "out"
     manifest = run(_cfg(tiny_target, _write_prompts(tmp_path / "p.jsonl"), out, record_features=True,
-                        feature_aux_layers=[0]))
-    assert manifest["features"]["aux_layers"] == [0]
+                        eagle_aux_layer_ids=[1]))
+    assert manifest["features"]["layer_ids"] == [1]
     model = tiny_llama(seed=0)
     checked = 0
     for columns, feats in gen.recorded_features(out):
         assert len(feats) == len(columns["input_ids"])
         for ids, f in zip(columns["input_ids"], feats):
             assert f.dtype == torch.float16 and f.shape == (len(ids) - 1, 2 * model.config.hidden_size)
-            full = target_features(model, torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long), [0])[0]
+            full = full_features(model, ids, [1])
             torch.testing.assert_close(f.float(), full[:-1].float(), atol=2e-3, rtol=2e-3)
             checked += 1
     assert checked == manifest["counts"]["examples"] == 14
@@ -173,11 +184,12 @@ def test_recorded_features_equal_the_targets_own_on_the_whole_sequence(tiny_targ
                                                                       "shard-00000.parquet"]
 
 
-def test_recording_features_needs_the_transformers_backend():
-    with pytest.raises(ValueError, match="backend=transformers"):
-        DataConfig(record_features=True, backend="vllm")
-    with pytest.raises(ValueError, match="record_features=true"):
-        DataConfig(feature_aux_layers=[1])
+def test_recorded_layers_and_record_features_go_together():
+    with pytest.raises(ValueError, match="record_features=true keeps the target's states"):
+        DataConfig(eagle_aux_layer_ids=[1])
+    with pytest.raises(ValueError, match="set both, or neither"):
+        DataConfig(record_features=True)
+    DataConfig(record_features=True, eagle_aux_layer_ids=[1], backend="vllm")  # states from a prefill after vLLM
 
 
 def test_sampling_is_seeded_and_samples_differ(tiny_target, tmp_path):
@@ -346,13 +358,24 @@ def test_missing_chat_template(tmp_path):
     assert run(_cfg(folder, prompts, tmp_path / "out2", use_chat_template=False))["complete"]
 
 
-def test_vllm_backend_missing_says_how_to_install(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError even where it is installed
-    monkeypatch.setattr(gen, "_importable", lambda name: False)
-    with pytest.raises(ValueError, match=re.escape("pip install specdec[vllm]")):
-        run(DataConfig(backend="vllm", prompts=str(tmp_path / "p.jsonl")))
-    with pytest.raises(ValueError, match=re.escape("pip install specdec[vllm]")):
+def test_vllm_environment_missing_says_how_to_make_it(tiny_target, tmp_path, monkeypatch):
+    """backend=vllm without vLLM's environment: the fix (`make vllm-env`) before any prompt is read;
+    backend=auto then falls back to transformers."""
+    from specdec import vllm_env
+
+    missing = tmp_path / "no-such-prompts.jsonl"  # the environment is checked first
+    with pytest.raises(ValueError, match=r"vllm_python=.*does not exist.*make vllm-env"):
+        run(DataConfig(backend="vllm", vllm_python=str(tmp_path / "nowhere" / "python"), prompts=str(missing)))
+    monkeypatch.setenv(vllm_env.ENV_VAR, str(tmp_path / "bogus" / "python"))
+    monkeypatch.setattr(vllm_env, "_CHECKOUT", tmp_path)  # no .venv-vllm beside this checkout either
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"no Python with vLLM found \(tried .*bogus.*make vllm-env"):
+        run(DataConfig(backend="vllm", prompts=str(missing)))
+    with pytest.raises(ValueError, match="make vllm-env"):
         gen.VLLMBackend(DataConfig(backend="vllm"), tokenizer=None)
+    prompts = _write_prompts(tmp_path / "p.jsonl", n=2, multi_turn=False)
+    manifest = run(_cfg(tiny_target, prompts, tmp_path / "out", backend="auto"))
+    assert manifest["complete"] and manifest["settings"]["backend"] == "transformers"
 
 
 def test_cli_entry_point(tiny_target, tmp_path, capsys):

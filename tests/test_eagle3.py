@@ -369,11 +369,11 @@ def test_states_recorded_by_the_data_stage_spare_the_target_forward(tmp_path, mo
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"explain the sum of {w} and water"}) + "\n"
                                for w in "a city book list food number simple clear water the".split()))
-    for folder, limit, layers in (("recorded", None, [0, 1, 2]), ("recorded_heldout", 3, [0, 1, 2]),
-                                  ("other", 4, [0, 1])):
+    for folder, limit, layers in (("recorded", None, [1, 2, 3]), ("recorded_heldout", 3, [1, 2, 3]),
+                                  ("other", 4, [1, 2])):
         run_data(DataConfig(target=str(ws / "target"), prompts=str(prompts), output_dir=str(tmp_path / folder),
                             max_new_tokens=8, batch_size=4, dtype="float32", device="cpu", limit=limit,
-                            record_features=True, feature_aux_layers=layers))
+                            record_features=True, eagle_aux_layer_ids=layers))
 
     def no_target_forward(*_args, **_kw):
         raise AssertionError("the target ran for states the data stage recorded")

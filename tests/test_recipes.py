@@ -58,12 +58,11 @@ def test_recorded_features_are_the_ones_the_draft_reads(path):
     """A data section that records the target's states records the layers its EAGLE-3 draft reads (else training
     would compute them again, with a warning)."""
     from train.data import DataConfig
-    from train.eagle3_train import data_layers
 
     raw, data = read_recipe(path), load_config(DataConfig, path, section="data")
     if data.record_features:
         assert raw["draft"] == "eagle3"
-        assert data.feature_aux_layers == data_layers(raw["train"]["eagle_aux_layer_ids"])
+        assert data.eagle_aux_layer_ids == raw["train"]["eagle_aux_layer_ids"]
 
 
 @pytest.mark.parametrize("path", LAUNCH_CONFIGS, ids=lambda p: p.name)

@@ -13,10 +13,16 @@ Output, resumable (rerun the same command after a crash; finished shards are kep
     <output_dir>/manifest.json                 settings, prompt source, counts, shard list, complete flag
     <output_dir>/shards/shard-00000.parquet     prompt_id, category, sample_index, turn, input_ids (prompt +
                                                 completion), prompt_length [, top_ids, top_logprobs]
-    <output_dir>/shards/shard-00000.features.safetensors   with record_features=true: the target's features
-                                                (specdec/feature_draft.py) at each row's fed positions, tensor
-                                                "<row index>" [prompt + completion - 1, W] float16, so a feature
-                                                draft trains with no target forward (train/feature_train.py)
+    <output_dir>/shards/shard-00000.features.safetensors   with record_features=true: the target's states
+                                                (specdec/eagle3.py) at each row's fed positions, tensor
+                                                "<row index>" [prompt + completion - 1, W] float16, so an EAGLE-3
+                                                draft trains with no target forward
+    <output_dir>/vllm-worker.log               with backend=vllm: the engine's own log (of the latest run)
+
+Backends: `transformers` (specdec's batched decoder, in this process) or `vllm`: vLLM's offline engine in its own
+environment (`make vllm-env`), reached through train/vllm_worker.py, started once per run and kept across shards;
+with record_features its features come from one batched transformers prefill over each prompt + completion, so the
+stored result has the same format whichever backend made it. `auto` picks vllm where its environment exists.
 
 The work list (prompt x sample, shuffled) is cut into shards of `shard_size` items; shard s belongs to
 process s % num_processes. A shard is written to a temporary file and renamed, then recorded in the manifest,
@@ -35,18 +41,46 @@ import json
 import logging
 import math
 import os
+import queue
 import random
 import shutil
+import signal
+import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from accelerate import PartialState
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+from transformers import AutoConfig, GenerationConfig
+
 from specdec.config import config_from_cli, to_dict
-from specdec.models import EMBEDDED_TARGET
-from specdec.prompts import Prompt, encode_prompt, normalise_record
+from specdec.decode import target_generate
+from specdec.eagle3 import HiddenStateRecorder
+from specdec.models import (
+    EMBEDDED_TARGET,
+    load_model,
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+    resolve_path,
+)
+from specdec.prompts import Prompt, encode_prompt, normalise_record, read_prompts
+from specdec.sampling import SamplingConfig
+from specdec.tokens import cut_at_eos, eos_ids, pad_id
+from specdec.vllm_env import find_vllm_python, vllm_python
+from train import self_prompts
 from train.budget import check_minutes
+from train.prompt_set import EMBEDDED_HELDOUT_PROMPTS, EMBEDDED_TRAIN_PROMPTS
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +90,17 @@ SHARD_DIR = "shards"
 EMBEDDED_PROMPT_SETS = ("embedded:train", "embedded:heldout")
 _LOCAL_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 # Settings that do not change what is generated; a resumed run may change them.
-_RESUMABLE_KEYS = ("batch_size", "device", "output_dir", "overwrite", "max_minutes")
+_RESUMABLE_KEYS = ("batch_size", "device", "output_dir", "overwrite", "max_minutes", "vllm_python")
 # A knob for the interruption test only: seconds to sleep after each shard is recorded.
 _PAUSE_ENV = "_SPECDEC_DATA_SHARD_PAUSE"
-_VLLM_MISSING = "backend=vllm needs the vllm package: pip install specdec[vllm] (or use backend=transformers)"
+BACKENDS = ("transformers", "vllm", "auto")
+_VLLM_WORKER = Path(__file__).with_name("vllm_worker.py")
+_VLLM_LOG = "vllm-worker.log"  # vLLM's own log, beside the data
+_VLLM_START_TIMEOUT_S = 1800.0  # a first start may download the model, and on a CPU compiles it for minutes
+_VLLM_REQUEST_TIMEOUT_S = 600.0  # plus the request's tokens at the slowest rate an engine plausibly decodes
+_VLLM_SLOWEST_TOKENS_PER_S = 5.0
+_VLLM_CPU_KVCACHE_GIB = "2"  # ENGINES.md: 1 GiB is plenty for small models; 2 holds a batch of 64 SmolLM2 rows
+_VLLM_DTYPES = ("float32", "bfloat16", "float16")  # vLLM has no float64
 
 
 @dataclass
@@ -88,7 +129,11 @@ class DataConfig:
     shuffle: bool = True
     shard_size: int = 256  # prompt x sample items per shard
     top_logprobs: int = 0  # 0 = off, else keep the target's n most likely tokens at each completion position
-    backend: str = "transformers"  # or "vllm"
+    # "vllm": vLLM's offline engine in its own environment (`make vllm-env`), batch_size sequences at a time;
+    # "auto": vllm where that environment exists, else transformers
+    backend: str = "transformers"
+    vllm_python: str | None = None  # vLLM's Python; default $SPECDEC_VLLM_PYTHON, then .venv-vllm/bin/python
+    vllm_args: dict[str, Any] | None = None  # more keyword arguments of vllm.LLM, e.g. {enforce_eager: true}
     output_dir: str = "runs/data"
     device: str = "auto"
     dtype: str = "auto"
@@ -101,16 +146,16 @@ class DataConfig:
     # Start no shard that would end past this many minutes of this run (self-written prompts included) at the
     # last shard's pace, one at least: the folder is left incomplete, usable, and a rerun continues it.
     max_minutes: float | None = None
-    # Keep the target's features (its final hidden state, then the outputs of `feature_aux_layers`) at every fed
-    # position, as a feature draft reads them (train: draft=feature with the same feature_aux_layers): computed by
-    # the decoding anyway, they spare training a target forward per sample. 4.6 KB a token for SmolLM2 with 3
-    # auxiliary layers.
+    # Keep the target's states at every fed position, as an EAGLE-3 draft reads them (train: draft=eagle3 with the
+    # same eagle_aux_layer_ids): its final hidden state (the online teacher's input), then the residual stream
+    # after each of `eagle_aux_layer_ids` (vLLM's numbering, e.g. [2, 15, 27] of 30 layers). Computed by the
+    # decoding anyway, they spare training a target forward per sample: 4.6 KB a token for SmolLM2 with 3 layers.
     record_features: bool = False
-    feature_aux_layers: list[int] = field(default_factory=list)
+    eagle_aux_layer_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         choices = {"spec_bench_turns": ("first", "all"), "too_long": ("skip", "error"),
-                   "backend": ("transformers", "vllm")}
+                   "backend": BACKENDS}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise ValueError(f"{key} must be one of {', '.join(allowed)}, got {getattr(self, key)!r}")
@@ -121,25 +166,29 @@ class DataConfig:
         if self.top_logprobs < 0:
             raise ValueError(f"top_logprobs must be >= 0 (0 = off), got {self.top_logprobs}")
         check_minutes(self.max_minutes)
-        if self.feature_aux_layers and not self.record_features:
-            raise ValueError("feature_aux_layers names the layers that record_features=true keeps; set both")
-        if self.record_features and self.backend != "transformers":
-            raise ValueError("record_features=true needs backend=transformers (vLLM does not expose hidden states)")
+        if bool(self.eagle_aux_layer_ids) != self.record_features:
+            raise ValueError("record_features=true keeps the target's states after the layers eagle_aux_layer_ids "
+                             "names (those its EAGLE-3 draft reads, e.g. [2, 15, 27] for a 30-layer target): set "
+                             "both, or neither")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit must be >= 1 (or unset for all prompts), got {self.limit}")
+        if self.vllm_args is not None and not isinstance(self.vllm_args, dict):
+            raise ValueError(f"vllm_args must be a mapping of vllm.LLM arguments such as {{enforce_eager: true}}, "
+                             f"got {self.vllm_args!r}")
         if self.column_map is not None and not isinstance(self.column_map, dict):
             raise ValueError(f"column_map must be a mapping such as {{instruction: prompt}}, got {self.column_map!r}")
         if not self.prompts:
             raise ValueError("prompts is empty: give a .jsonl/.json/.parquet/.csv file, a Hub dataset name or "
                              "embedded:train")
         self.sampling()  # validates temperature / top_k / top_p
-        from specdec.models import resolve_dtype
 
-        resolve_dtype(self.dtype)  # raises with the valid names, before any model is loaded
+        dtype = str(resolve_dtype(self.dtype)).removeprefix("torch.")  # raises with the valid names, before any load
+        if self.backend == "vllm" and dtype not in _VLLM_DTYPES:
+            raise ValueError(f"backend=vllm computes in {', '.join(_VLLM_DTYPES)}, not {dtype}; use dtype=float32 "
+                             f"or backend=transformers")
 
     def sampling(self):
         """The decoder's SamplingConfig for these settings."""
-        from specdec.sampling import SamplingConfig
 
         return SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
 
@@ -154,14 +203,12 @@ def _drop_nulls(row: dict) -> dict:
 
 
 def _embedded_path(name: str) -> Path:
-    from train.prompt_set import EMBEDDED_HELDOUT_PROMPTS, EMBEDDED_TRAIN_PROMPTS
 
     return EMBEDDED_TRAIN_PROMPTS if name == "embedded:train" else EMBEDDED_HELDOUT_PROMPTS
 
 
 def _load_rows(source: str, split: str) -> list[dict]:
     """Rows of a local file or Hub dataset, via `datasets` (ValueError with the cause otherwise)."""
-    import datasets
 
     datasets.disable_progress_bars()
     path = _embedded_path(source) if source in EMBEDDED_PROMPT_SETS else Path(source)
@@ -177,7 +224,6 @@ def _load_rows(source: str, split: str) -> list[dict]:
             ds = datasets.load_dataset(_LOCAL_SUFFIXES[path.suffix], data_files=str(path), split="train")
         except Exception as err:  # noqa: BLE001 - datasets wraps parse errors; find the bad line ourselves
             if path.suffix in (".jsonl", ".json"):
-                from specdec.prompts import read_prompts
 
                 read_prompts(path)  # raises with the line number
             raise ValueError(f"could not read prompt file {path}: {type(err).__name__}: {err}") from err
@@ -202,7 +248,6 @@ def prompt_sources(cfg: DataConfig) -> list[str]:
 
 def _self_prompt_file(cfg: DataConfig, n: int, procs: _Processes | None) -> Path:
     """The file of n target-written prompts (self:N), written first by the main process if needed."""
-    from train import self_prompts
 
     if procs is None or procs.is_main:
         self_prompts.generate(cfg, n, Path(cfg.output_dir), procs.device if procs else None)
@@ -213,7 +258,6 @@ def _self_prompt_file(cfg: DataConfig, n: int, procs: _Processes | None) -> Path
 
 def load_prompt_set(cfg: DataConfig, procs: _Processes | None = None) -> list[Prompt]:
     """The configured prompts as Prompt objects (the first `limit` rows of all sources), with unique ids."""
-    from train import self_prompts
 
     rows: list[dict] = []
     for source in prompt_sources(cfg):
@@ -306,42 +350,25 @@ class Completion:
     features: Any = None  # record_features: [prompt + len(tokens) - 1, W] float16, the positions fed to the target
 
 
-def eos_ids(model, tokenizer) -> list[int]:
-    """Every id that ends a turn: the generation config's eos ids and the tokenizer's."""
-    ids: list[int] = []
-    gen = getattr(model, "generation_config", None)
-    for value in (getattr(gen, "eos_token_id", None), tokenizer.eos_token_id):
-        if value is None:
-            continue
-        ids += value if isinstance(value, (list, tuple)) else [value]
-    return sorted({int(i) for i in ids})
-
-
 class TransformersBackend:
     """Batched, left-padded decoding with specdec's target_generate, which also keeps the top-n log-probs."""
 
     def __init__(self, cfg: DataConfig, tokenizer, device=None):
-        from specdec.models import load_model
 
         self.cfg, self.sampling = cfg, cfg.sampling()
         self.model = load_model(cfg.target, dtype=cfg.dtype, device=device if device is not None else cfg.device)
         self.device = next(self.model.parameters()).device
         log.info("target %s in %s on %s", cfg.target, self.model.dtype, self.device)
         self.eos = eos_ids(self.model, tokenizer)
-        pad = tokenizer.pad_token_id
-        self.pad = int(pad if pad is not None else (self.eos[0] if self.eos else 0))
+        self.pad = pad_id(tokenizer.pad_token_id, self.eos)
 
     def generator(self, seed: int):
-        import torch
 
         return torch.Generator(device=self.device).manual_seed(seed)
 
     def generate(self, prompts: list[list[int]], generator) -> list[Completion]:
         """Completions of one batch of prompts (token lists of any lengths)."""
-        import torch
 
-        from specdec.decode import target_generate
-        from specdec.feature_draft import FeatureRecorder
 
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
@@ -350,14 +377,14 @@ class TransformersBackend:
             ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
             mask[row, width - len(p):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
-        recording = FeatureRecorder(self.model, self.cfg.feature_aux_layers, history=True) \
+        recording = HiddenStateRecorder(self.model, self.cfg.eagle_aux_layer_ids, final=True, history=True) \
             if self.cfg.record_features else contextlib.nullcontext()
         with recording as recorder:
             out = target_generate(self.model, ids, mask, sampling=self.sampling,
                                   max_new_tokens=self.cfg.max_new_tokens, eos_token_id=self.eos or None,
                                   generator=generator, pad_token_id=self.pad, top_logprobs=self.cfg.top_logprobs)
         new = out.sequences[:, width:].tolist()
-        completions = [Completion(_cut_at_eos(row, self.eos)) for row in new]
+        completions = [Completion(cut_at_eos(row, self.eos)) for row in new]
         if recorder is not None:
             # history: the prefill [B, width, W], then one [B, 1, W] per step (the step feeding completion token j).
             prefill, steps = recorder.history[0], torch.cat(recorder.history[1:] or [recorder.history[0][:, :0]], 1)
@@ -372,61 +399,219 @@ class TransformersBackend:
         return completions
 
 
-def _cut_at_eos(tokens: list[int], eos: list[int]) -> list[int]:
-    """Tokens up to and including the first EOS (the rest is padding)."""
-    for i, t in enumerate(tokens):
-        if t in eos:
-            return tokens[: i + 1]
-    return tokens
+class _VLLMWorker:
+    """train/vllm_worker.py under vLLM's own Python: one engine, spoken to in JSON lines over stdin/stdout.
+
+    Its stderr (vLLM's log) goes to `log_path`, whose tail every error quotes. It runs in a session of its own, so
+    that closing it also ends any engine process vLLM started, and it dies with this process (see the worker)."""
+
+    def __init__(self, python: Path, engine_args: dict, env: dict, log_path: Path, what: str):
+        self.log_path, self.what = log_path, what
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen([str(python), str(_VLLM_WORKER), json.dumps(engine_args)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._log, env=env, text=True,
+                                     start_new_session=True)
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        try:
+            self.version = self._receive(_VLLM_START_TIMEOUT_S, "start").get("vllm", "?")
+        except BaseException:
+            self.close()
+            raise
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)  # the worker closed its stdout: it has exited
+
+    def tail(self, chars: int = 3000) -> str:
+        """The end of vLLM's log (where its own error message is)."""
+        text = self.log_path.read_text(errors="replace") if self.log_path.is_file() else ""
+        if len(text) > chars:
+            text = text[-chars:].partition("\n")[2]  # whole lines only
+        return text.strip()
+
+    def _fail(self, message: str) -> ValueError:
+        self.close()  # first: a stopped worker has written all of its log
+        return ValueError(f"{message}\n--- the end of vLLM's log ({self.log_path}) ---\n{self.tail()}")
+
+    def _receive(self, timeout_s: float, doing: str) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                line = self._lines.get(timeout=1.0)
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise self._fail(f"vLLM did not {doing} within {timeout_s:.0f} s ({self.what}); it is stopped. "
+                                     f"See its log below; use backend=transformers to do without it") from None
+                continue
+            if line is None:
+                try:
+                    code = self.proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    code = "unknown"
+                raise self._fail(f"vLLM exited (code {code}) before it could {doing} ({self.what}); its message is "
+                                 f"below. Fix what it names (target=, dtype=, memory: VLLM_CPU_KVCACHE_SPACE in GiB "
+                                 f"on a CPU), or use backend=transformers")
+            message = json.loads(line)
+            if "error" in message:
+                raise self._fail(f"vLLM could not {doing} ({self.what}): {message['error']}. Fix what it names "
+                                 f"(target=, dtype=, memory: VLLM_CPU_KVCACHE_SPACE in GiB on a CPU), or use "
+                                 f"backend=transformers")
+            return message
+
+    def request(self, message: dict, timeout_s: float) -> dict:
+        """Send one request and wait (at most timeout_s) for its answer."""
+        try:
+            self.proc.stdin.write(json.dumps(message) + "\n")
+            self.proc.stdin.flush()
+        except OSError:
+            pass  # it died: _receive reports why
+        return self._receive(timeout_s, "generate")
+
+    def close(self) -> None:
+        """Let an idle worker exit (it does once its stdin closes); else (a run interrupted mid-request) end its
+        whole session."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        self._log.close()
 
 
 class VLLMBackend:
-    """The same interface on vLLM's offline engine (`LLM.generate` with `SamplingParams(logprobs=n)`)."""
+    """The same interface on vLLM's offline engine, which runs in vLLM's own environment (train/vllm_worker.py):
+    one engine start per run, kept across shards, at most batch_size sequences decoded together (max_num_seqs).
+
+    vLLM does not expose hidden states, so with record_features the target's features come from one batched
+    transformers prefill over each prompt + completion afterwards: the same positions, layout and dtype as the
+    transformers backend records while it decodes."""
 
     def __init__(self, cfg: DataConfig, tokenizer, device=None):
-        try:
-            import vllm
-        except ImportError as err:
-            raise ValueError(_VLLM_MISSING) from err
-        import torch
 
-        from specdec.models import resolve_dtype, resolve_path
-
-        self.vllm, self.cfg = vllm, cfg
-        # vLLM spells dtypes as torch does ("bfloat16", "float32"); ours also accepts bf16/fp32 aliases.
-        dtype = ("auto" if cfg.dtype in ("auto", "", None)
-                 else str(resolve_dtype(cfg.dtype, torch.device("cuda"))).removeprefix("torch."))
-        self.llm = vllm.LLM(model=resolve_path(cfg.target), dtype=dtype, seed=cfg.seed)
+        self.cfg = cfg
+        python = vllm_python(cfg.vllm_python)
+        device = device if device is not None else resolve_device(cfg.device)
+        dtype = str(resolve_dtype(cfg.dtype, device)).removeprefix("torch.")  # vLLM spells dtypes as torch does
+        self.eos = eos_ids(_GenerationConfigOf(resolve_path(cfg.target)), tokenizer)
+        self.pad = pad_id(tokenizer.pad_token_id, self.eos)
+        self.features_model = None
+        if cfg.record_features:  # before the engine, which on a GPU sizes its cache to the memory it finds free
+            self.features_model = load_model(cfg.target, dtype=dtype, device=device)
+        args, env = _engine_settings(cfg, device, dtype, self.features_model is not None)
+        out = Path(cfg.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        log.info("starting vLLM (%s) for target %s in %s on %s; its log: %s", python, cfg.target, dtype, device.type,
+                 out / _VLLM_LOG)
+        self.worker = _VLLMWorker(python, args, env, out / _VLLM_LOG, what=f"target {cfg.target}, {python}")
+        log.info("vLLM %s is up", self.worker.version)
 
     def generator(self, seed: int) -> int:
         return seed
 
     def generate(self, prompts: list[list[int]], generator: int) -> list[Completion]:
-        """All prompts in one call (vLLM schedules its own batches); one seed per request."""
+        """All prompts in one request (vLLM schedules its own batches); one seed per prompt."""
         cfg = self.cfg
-        params = [self.vllm.SamplingParams(
-            n=1, temperature=cfg.temperature, top_k=cfg.top_k if cfg.top_k > 0 else -1, top_p=cfg.top_p,
-            max_tokens=cfg.max_new_tokens, seed=generator * 1_000_003 + i,
-            logprobs=cfg.top_logprobs or None) for i in range(len(prompts))]
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sampling_params=params, use_tqdm=False)
+        request = {"prompts": prompts, "seeds": [generator * 1_000_003 + i for i in range(len(prompts))],
+                   "temperature": cfg.temperature, "top_k": cfg.top_k, "top_p": cfg.top_p,
+                   "max_tokens": cfg.max_new_tokens, "top_logprobs": cfg.top_logprobs, "stop_token_ids": self.eos}
+        timeout = _VLLM_REQUEST_TIMEOUT_S + len(prompts) * cfg.max_new_tokens / _VLLM_SLOWEST_TOKENS_PER_S
+        answers = self.worker.request(request, timeout)["completions"]
         completions = []
-        for out in outputs:
-            seq = out.outputs[0]
-            comp = Completion([int(t) for t in seq.token_ids])
+        for answer in answers:
+            comp = Completion(cut_at_eos(answer["tokens"], self.eos))
             if cfg.top_logprobs:
-                comp.top_ids, comp.top_logprobs = [], []
-                # Each position's dict holds the top n plus the sampled token when it ranks lower.
-                for position in seq.logprobs:
-                    best = sorted(position.items(), key=lambda kv: -kv[1].logprob)[: cfg.top_logprobs]
-                    comp.top_ids.append([int(t) for t, _ in best])
-                    comp.top_logprobs.append([float(lp.logprob) for _, lp in best])
+                comp.top_ids = answer["top_ids"][: len(comp.tokens)]
+                comp.top_logprobs = answer["top_logprobs"][: len(comp.tokens)]
             completions.append(comp)
+        if self.features_model is not None:
+            features = prefill_features(self.features_model, [p + c.tokens for p, c in zip(prompts, completions)],
+                                        cfg.eagle_aux_layer_ids, cfg.batch_size, self.pad)
+            for comp, f in zip(completions, features):
+                comp.features = f
         return completions
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+def _engine_settings(cfg: DataConfig, device, dtype: str, prefill_model_loaded: bool) -> tuple[dict, dict]:
+    """vllm.LLM's keyword arguments and the worker's environment for this run."""
+
+    args = {"model": resolve_path(cfg.target), "dtype": dtype, "seed": cfg.seed, "max_num_seqs": cfg.batch_size}
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}  # vLLM's own packages
+    env["SPECDEC_VLLM_PARENT"] = str(os.getpid())
+    if device.type == "cpu":
+        # One process (it starts faster than with vLLM's default engine process, ENGINES.md) and a KV cache of a
+        # set size: vLLM's CPU default is a share of the machine's memory.
+        args["distributed_executor_backend"] = "uni"
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", _VLLM_CPU_KVCACHE_GIB)
+    elif prefill_model_loaded and device.type == "cuda":
+
+        free, total = torch.cuda.mem_get_info(device)
+        args["gpu_memory_utilization"] = round(0.9 * free / total, 3)  # leave the prefill model its room
+    args.update(cfg.vllm_args or {})
+    return args, env
+
+
+class _GenerationConfigOf:
+    """Stands in for a model in eos_ids: the checkpoint's generation config, read without loading its weights."""
+
+    def __init__(self, path: str):
+
+        try:
+            self.generation_config = GenerationConfig.from_pretrained(path)
+        except OSError:  # no generation_config.json: transformers derives one from config.json, as here
+            self.generation_config = GenerationConfig.from_model_config(AutoConfig.from_pretrained(path))
+
+
+def prefill_features(model, sequences: list[list[int]], layer_ids: list[int], batch_size: int,
+                     pad: int) -> list[Any]:
+    """The target's features at each sequence's fed positions (all but its last token), [len - 1, W] float16 on the
+    CPU, as the transformers backend records them while decoding; from batched, right-padded prefills."""
+
+
+    device = next(model.parameters()).device
+    fed = [seq[:-1] for seq in sequences]
+    order = sorted(range(len(fed)), key=lambda i: -len(fed[i]))  # similar lengths together: less padding
+    features: list[Any] = [None] * len(fed)
+    with HiddenStateRecorder(model, layer_ids, final=True) as recorder, torch.inference_mode():
+        for start in range(0, len(order), batch_size):
+            chunk = order[start: start + batch_size]
+            width = max(len(fed[i]) for i in chunk)
+            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for row, i in enumerate(chunk):
+                # Right padding keeps each row's positions 0..n-1, and causal attention keeps pads out of real rows.
+                ids[row, : len(fed[i])] = torch.tensor(fed[i], dtype=torch.long)
+                mask[row, : len(fed[i])] = 1
+            model.get_decoder()(input_ids=ids.to(device), attention_mask=mask.to(device))
+            latest = recorder.latest  # [b, width, W]
+            for row, i in enumerate(chunk):
+                features[i] = latest[row, : len(fed[i])].to("cpu", torch.float16)
+    return features
+
+
+def resolve_backend(cfg: DataConfig) -> str:
+    """backend=auto: vllm where vLLM's environment exists (and the dtype is one vLLM computes in), else transformers."""
+    if cfg.backend != "auto":
+        return cfg.backend
+
+    dtype = str(resolve_dtype(cfg.dtype)).removeprefix("torch.")
+    chosen = "vllm" if dtype in _VLLM_DTYPES and find_vllm_python(cfg.vllm_python) is not None else "transformers"
+    log.info("backend=auto: %s", chosen if chosen == "transformers" else f"vllm ({find_vllm_python(cfg.vllm_python)})")
+    return chosen
 
 
 def make_backend(cfg: DataConfig, tokenizer, device=None):
     """The configured generation backend."""
-    cls = VLLMBackend if cfg.backend == "vllm" else TransformersBackend
+    cls = VLLMBackend if resolve_backend(cfg) == "vllm" else TransformersBackend
     return cls(cfg, tokenizer, device)
 
 
@@ -482,7 +667,6 @@ def generate_shard(items: list[Item], backend, tokenizer, cfg: DataConfig, seed:
 
 
 def _schema(top_logprobs: bool):
-    import pyarrow as pa
 
     fields = [("prompt_id", pa.string()), ("category", pa.string()), ("sample_index", pa.int64()),
               ("turn", pa.int64()), ("input_ids", pa.list_(pa.int64())), ("prompt_length", pa.int64())]
@@ -493,8 +677,6 @@ def _schema(top_logprobs: bool):
 
 def write_shard(rows: list[dict], path: Path, top_logprobs: bool) -> None:
     """Write rows as one parquet file, atomically (temporary file, then rename)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
 
     table = pa.Table.from_pylist([{k: v for k, v in r.items() if k != "features"} for r in rows],
                                  schema=_schema(top_logprobs))
@@ -510,7 +692,6 @@ def features_file(shard_file: str) -> str:
 
 def write_features(rows: list[dict], path: Path) -> None:
     """The rows' recorded features as tensors "0", "1", ... (the rows' order in the shard), atomically."""
-    from safetensors.torch import save_file
 
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     save_file({str(i): r["features"].contiguous() for i, r in enumerate(rows)}, str(tmp))
@@ -520,8 +701,6 @@ def write_features(rows: list[dict], path: Path) -> None:
 def recorded_features(folder: str | Path):
     """Per shard of a folder written with record_features=true: (its rows' prompt_id, sample_index, turn and
     input_ids as columns, its rows' features in order); nothing for a folder without them."""
-    import pyarrow.parquet as pq
-    from safetensors import safe_open
 
     folder = Path(folder)
     manifest = read_manifest(folder)
@@ -625,7 +804,6 @@ def _finalise(out: Path) -> dict:
 
 def load_generated(path: str | Path, require_complete: bool = False):
     """The generated examples of a `specdec data` folder as a `datasets.Dataset` (columns as written)."""
-    import datasets
 
     out = Path(path)
     manifest = read_manifest(out)
@@ -659,7 +837,6 @@ class _Processes:
 
     def barrier(self) -> None:
         if self.count > 1:
-            from accelerate import PartialState
 
             PartialState().wait_for_everyone()
 
@@ -668,8 +845,6 @@ def _processes(cfg: DataConfig) -> _Processes:
     """This process's place in an `accelerate launch` (or a single plain process)."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return _Processes()
-    import torch
-    from accelerate import PartialState
 
     # On CPU, accelerate only joins the process group when told cpu=True.
     state = PartialState(cpu=cfg.device == "cpu" or not torch.cuda.is_available())
@@ -678,9 +853,7 @@ def _processes(cfg: DataConfig) -> _Processes:
 
 
 def _context_limit(target: str) -> int | None:
-    from transformers import AutoConfig
 
-    from specdec.models import resolve_path
 
     try:
         config = AutoConfig.from_pretrained(resolve_path(target))
@@ -693,7 +866,6 @@ class _Progress:
     """A tqdm bar over examples with the generated tokens per second in its postfix."""
 
     def __init__(self, total: int, initial: int, enabled: bool):
-        from tqdm.auto import tqdm
 
         self.bar = tqdm(total=total, initial=initial, unit="ex", desc="specdec data", disable=not enabled,
                         dynamic_ncols=True)
@@ -711,12 +883,13 @@ class _Progress:
 
 def run(cfg: DataConfig) -> dict:
     """Generate (or finish generating) the dataset; returns the manifest."""
-    from specdec.models import load_tokenizer
 
     deadline = time.perf_counter() + cfg.max_minutes * 60 if cfg.max_minutes else math.inf
     procs = _processes(cfg)
-    if cfg.backend == "vllm" and not _importable("vllm"):
-        raise ValueError(_VLLM_MISSING)  # before minutes of prompt loading, not after
+    cfg = dataclasses.replace(cfg, backend=resolve_backend(cfg))  # the manifest records the backend used
+    if cfg.backend == "vllm":
+
+        vllm_python(cfg.vllm_python)  # raises with how to make it, before minutes of prompt loading, not after
     if cfg.backend == "vllm" and procs.count > 1:
         raise ValueError("backend=vllm runs as one process (vLLM spreads a model over GPUs itself); launch it "
                          "with plain `specdec data`, not accelerate launch")
@@ -740,8 +913,9 @@ def run(cfg: DataConfig) -> dict:
         "generation": {k: settings[k] for k in ("temperature", "top_k", "top_p", "max_new_tokens", "num_samples",
                                                   "seed", "top_logprobs", "use_chat_template", "backend", "dtype")},
         "top_logprobs_of": "log_softmax of the target's raw logits (temperature 1, no top-k/top-p)",
-        "features": {"aux_layers": cfg.feature_aux_layers, "dtype": "float16",
-                     "of": "the final norm's output, then each auxiliary layer's, at the positions fed to the target"}
+        "features": {"layer_ids": cfg.eagle_aux_layer_ids, "dtype": "float16",
+                     "of": "the final norm's output, then the residual stream after each of layer_ids, at the "
+                           "positions fed to the target"}
         if cfg.record_features else None,
         "prompt_source": {"prompts": cfg.prompts, "split": cfg.split, "column_map": cfg.column_map,
                           "spec_bench_turns": cfg.spec_bench_turns, "limit": cfg.limit},
@@ -793,16 +967,11 @@ def run(cfg: DataConfig) -> dict:
                 last_shard_s = time.perf_counter() - shard_started
         finally:
             progress.close()
+            if hasattr(backend, "close"):
+                backend.close()
     procs.barrier()
     manifest = _finalise(out) if procs.is_main else read_manifest(out)
     return manifest
-
-
-def _importable(name: str) -> bool:
-    """True when module `name` can be imported (without importing it)."""
-    import importlib.util
-
-    return importlib.util.find_spec(name) is not None
 
 
 _HELP = """usage: specdec data [--config recipes/X.yaml] [key=value ...] [--key value ...]

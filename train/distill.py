@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 
 from specdec.config import config_from_cli, help_text, to_dict
 from specdec.models import EMBEDDED_TARGET, cpu_has_native_bf16, load_model, load_tokenizer
+from specdec.tokens import tokenizer_pad_id
 from train import losses
 from train.batches import Schedule, collate, data_folders, load_data, sample_id
 from train.budget import CosineToEnd, TimeBudget, check_minutes
@@ -223,7 +224,7 @@ class Distiller:
         self.train_ds, heldout_ds = load_data(cfg)
         self.tokenizer = load_tokenizer(cfg.target)
         tok = self.tokenizer
-        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        self.pad_id = tokenizer_pad_id(tok)
         self.heldout = [heldout_ds[i] for i in range(min(cfg.eval_samples, len(heldout_ds)))]
         lengths = [min(len(x), cfg.max_length) for x in self.train_ds["input_ids"]]
         self.schedule = Schedule(lengths, cfg.per_device_batch_size * self.world, cfg.seed, cfg.bucket_by_length)

@@ -20,8 +20,10 @@ import re
 from collections.abc import Iterable, Sequence
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from specdec import vocab as vocab_lib
+from specdec.models import load_model
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +55,6 @@ def _subset_layer_config(config, chosen: list[int]):
 
 def derive_draft(target: torch.nn.Module, layers: Sequence[int]) -> torch.nn.Module:
     """A smaller copy of `target` keeping `layers` (+ embeddings, final norm, head), float32, train-ready."""
-    from transformers import AutoModelForCausalLM
 
     num_layers = target.config.num_hidden_layers
     chosen = _resolve_layers(layers, num_layers)
@@ -81,7 +82,6 @@ def derive_draft(target: torch.nn.Module, layers: Sequence[int]) -> torch.nn.Mod
 
 def draft_from_config(target: torch.nn.Module, overrides: dict, seed: int = 0) -> torch.nn.Module:
     """The target's config with `overrides`, random layers, target embeddings / norm / head copied."""
-    from transformers import AutoModelForCausalLM
 
     config = copy.deepcopy(target.config)
     for key, value in overrides.items():
@@ -158,7 +158,6 @@ def build_draft(spec: str, target: torch.nn.Module | None, layers: Sequence[int]
         model = derive_draft(target, layers) if spec == DERIVED else draft_from_config(target, config_overrides or {},
                                                                                       seed)
         return model.to(device)
-    from specdec.models import load_model
 
     return load_model(spec, dtype=torch.float32, device=device).train()
 

@@ -25,15 +25,12 @@ import torch
 from specdec.compat import check_compatible
 from specdec.eagle3 import Eagle3Draft, HiddenStateRecorder
 from specdec.replay import tau_from_runs
+from specdec.tokens import tokenizer_pad_id
 from train import draft as draft_lib
 from train import losses
+from train.data import read_manifest, recorded_features
 
 log = logging.getLogger(__name__)
-
-
-def data_layers(layer_ids: Sequence[int]) -> list[int]:
-    """The data stage's `feature_aux_layers` (0-based decoder-layer outputs) for EAGLE-3 ids (after i layers)."""
-    return [int(i) - 1 for i in layer_ids]
 
 
 def target_states(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, layer_ids) -> torch.Tensor:
@@ -171,17 +168,17 @@ def preload_folder(cache: StatesCache, folder, layer_ids, max_length: int, sampl
     """Read into `cache` the target states the data stage recorded in `folder` (`record_features=true` with the
     same layers), so that they cost no target forward. Returns how many samples it read (0 when the folder has
     none, or other layers: they are then computed in the loop). `sample_id(columns, i)` names a row."""
-    from train.data import read_manifest, recorded_features
 
     recorded = read_manifest(folder).get("features")
     if not recorded:
         log.info("%s has no recorded target states: computing them in the loop (specdec data "
                  "record_features=true would spare that)", folder)
         return 0
-    if list(recorded["aux_layers"]) != data_layers(layer_ids):
-        log.warning("%s recorded the outputs of target layers %s, the draft reads the states after layers %s "
-                    "(i.e. outputs %s): computing them in the loop", folder, recorded["aux_layers"],
-                    list(layer_ids), data_layers(layer_ids))
+    # Folders written before the key was renamed name the decoder layers' outputs (one less) as aux_layers.
+    recorded_ids = recorded.get("layer_ids") or [i + 1 for i in recorded.get("aux_layers", [])]
+    if list(recorded_ids) != list(layer_ids):
+        log.warning("%s recorded the target's states after layers %s, the draft reads those after %s: computing "
+                    "them in the loop", folder, recorded_ids, list(layer_ids))
         return 0
     kept = sum(cache.preload(((sample_id(cols, i), cols["input_ids"][i], f) for i, f in enumerate(states)),
                              max_length) for cols, states in recorded_features(folder))
@@ -197,7 +194,7 @@ class Eagle3Training:
         self.cfg = cfg
         keep = None
         if cfg.draft_vocab_size:
-            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+            pad = tokenizer_pad_id(tokenizer)
             keep = draft_lib.frequent_ids(train_ds, cfg.draft_vocab_size, target.get_input_embeddings().num_embeddings,
                                           [tokenizer.eos_token_id, tokenizer.bos_token_id, pad])
         model = Eagle3Draft.from_target(target, cfg.eagle_aux_layer_ids or None, keep, cfg.seed).float().to(device)

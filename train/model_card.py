@@ -43,6 +43,7 @@ class CardInfo:
     method: str = "draft_model"  # vLLM's speculative method: draft_model (a plain causal LM) or eagle3
     sglang_algorithm: str = "STANDALONE"  # SGLang's --speculative-algorithm
     layer_ids: list[int] = dataclasses.field(default_factory=list)  # EAGLE-3: the target layers read (vLLM's count)
+    format: str = "engines"  # EAGLE-3 layout: engines (vLLM + SGLang) or speculators (speculators + vllm serve DIR)
 
     def __post_init__(self) -> None:
         if self.head not in ("full", "reduced", "expanded"):
@@ -257,67 +258,56 @@ def _snippets(info: CardInfo, k: int) -> list[str]:
         "",
         "### vLLM (draft-model speculative decoding)",
         "",
-        "```python",
-        "from vllm import LLM, SamplingParams",
-        "",
-        f"llm = LLM(model={q(target)}, speculative_config={vllm_config})",
-        'print(llm.generate(["Hello!"], SamplingParams(temperature=0, max_tokens=128))[0].outputs[0].text)',
-        "```",
-        "",
-        "```bash",
-        f"vllm serve {target} --speculative-config '{vllm_config}'",
-        "```",
-        "",
+        *_vllm_lines(target, vllm_config, q),
         "### SGLang (standalone draft model)",
         "",
-        "```bash",
-        f"python -m sglang.launch_server --model-path {target} \\",
-        f"    --speculative-algorithm STANDALONE --speculative-draft-model-path {draft} \\",
-        f"    --speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}",
-        "```",
+        *_sglang_lines(target, draft, "STANDALONE", k),
         "",
     ] + specdec_lines
 
 
 def _eagle3_usage(info: CardInfo, k: int, q) -> list[str]:
-    """How vLLM and SGLang serve an EAGLE-3 draft (one folder serves both)."""
+    """How vLLM and SGLang (engines layout) or speculators and `vllm serve` (speculators layout) run this draft."""
     draft, target = info.model_ref, info.target_ref
     vllm_config = json.dumps({"method": "eagle3", "model": draft, "num_speculative_tokens": k})
     ids = info.layer_ids
-    return [
+    lines = [
         "## Usage",
         "",
         "An EAGLE-3 draft (Li et al. 2025, arXiv:2503.01840): besides the tokens, its one layer reads the "
         f"target's residual stream after layers {ids} (vLLM's `eagle_aux_hidden_state_layer_ids`; SGLang's "
         f"`eagle_config` numbers the same layers {[i - 1 for i in ids]}), which the serving engine passes to it. "
-        "This folder is in the layout both vLLM and SGLang load (`LlamaForCausalLMEagle3`), with every flag whose "
-        "default differs between them written out (`norm_before_residual: false`). Name the method explicitly: "
-        "vLLM otherwise guesses it from the folder's name. transformers' assisted generation does not run "
-        "EAGLE drafts.",
+        "Every flag whose default differs between engines is written out (`norm_before_residual: false`). "
+        "transformers' assisted generation does not run EAGLE drafts.",
         "",
         "The draft only changes speed: greedy output is token-identical to the target alone, and sampled "
         "output is distributed as the target's.",
         "",
+    ]
+    if info.format == "speculators":
+        return lines + [
+            "This folder is in vLLM speculators' format: `vllm serve` detects it and takes the target from "
+            "its config, and `speculators`' `Eagle3DraftModel.from_pretrained` loads it. SGLang does not read "
+            "this layout: for SGLang, publish with `format=engines`.",
+            "",
+            "### vLLM",
+            "",
+            "```bash",
+            f"vllm serve {draft}",
+            "```",
+            "",
+            *_vllm_lines(target, vllm_config, q)[:7],
+        ]
+    return lines + [
+        "This folder is in the layout both vLLM and SGLang load (`LlamaForCausalLMEagle3`). Name the method "
+        "explicitly: vLLM otherwise guesses it from the folder's name.",
+        "",
         "### vLLM",
         "",
-        "```python",
-        "from vllm import LLM, SamplingParams",
-        "",
-        f"llm = LLM(model={q(target)}, speculative_config={vllm_config})",
-        'print(llm.generate(["Hello!"], SamplingParams(temperature=0, max_tokens=128))[0].outputs[0].text)',
-        "```",
-        "",
-        "```bash",
-        f"vllm serve {target} --speculative-config '{vllm_config}'",
-        "```",
-        "",
+        *_vllm_lines(target, vllm_config, q),
         "### SGLang",
         "",
-        "```bash",
-        f"python -m sglang.launch_server --model-path {target} \\",
-        f"    --speculative-algorithm {info.sglang_algorithm} --speculative-draft-model-path {draft} \\",
-        f"    --speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}",
-        "```",
+        *_sglang_lines(target, draft, info.sglang_algorithm, k),
         "",
     ]
 
@@ -363,3 +353,31 @@ def render_card(info: CardInfo, report: dict | None = None) -> str:
         lines += ["The target is not a Hub model, so the snippets load it from "
                   f"`{info.target_ref}`: replace that with where your copy of the target lives.", ""]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _vllm_lines(target: str, vllm_config: str, q) -> list[str]:
+    """vLLM's offline API (7 lines) then `vllm serve`, both with this speculative config."""
+    return [
+        "```python",
+        "from vllm import LLM, SamplingParams",
+        "",
+        f"llm = LLM(model={q(target)}, speculative_config={vllm_config})",
+        'print(llm.generate(["Hello!"], SamplingParams(temperature=0, max_tokens=128))[0].outputs[0].text)',
+        "```",
+        "",
+        "```bash",
+        f"vllm serve {target} --speculative-config '{vllm_config}'",
+        "```",
+        "",
+    ]
+
+
+def _sglang_lines(target: str, draft: str, algorithm: str, k: int) -> list[str]:
+    """SGLang's server with this draft as a chain of k proposals."""
+    return [
+        "```bash",
+        f"python -m sglang.launch_server --model-path {target} \\",
+        f"    --speculative-algorithm {algorithm} --speculative-draft-model-path {draft} \\",
+        f"    --speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}",
+        "```",
+    ]

@@ -19,6 +19,7 @@ from specdec.compat import check_compatible
 from specdec.kv import cache_kwarg
 from specdec.models import load_tokenizer
 from specdec.replay import simulated_tau
+from specdec.tokens import tokenizer_pad_id
 from specdec.vocab import draft_to_target_map
 from train import draft as draft_lib
 from train import losses
@@ -163,7 +164,7 @@ class PlainTraining:
     figures. `model` is the draft to optimise (a peft model with lora=true)."""
 
     def __init__(self, cfg, target, tokenizer, train_ds, device):
-        self.cfg, self.pad_id, self.eos_id = cfg, _pad_id(tokenizer), tokenizer.eos_token_id
+        self.cfg, self.pad_id, self.eos_id = cfg, tokenizer_pad_id(tokenizer), tokenizer.eos_token_id
         model = draft_lib.build_draft(cfg.draft, target, cfg.draft_layers, cfg.draft_config, cfg.seed, device)
         own_tokenizer = cfg.draft in (draft_lib.DERIVED, draft_lib.SCRATCH)
         check_compatible(tokenizer, tokenizer if own_tokenizer else load_tokenizer(cfg.draft), target, model)
@@ -198,7 +199,3 @@ class PlainTraining:
 
     def evaluate(self, model, chunks) -> dict[str, Any]:
         return evaluate(model, self.target, chunks, self.cfg.eval_k, self.id_map)
-
-
-def _pad_id(tokenizer) -> int:
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -29,7 +29,7 @@ import specdec
 from specdec import models, vocab
 from specdec.compat import check_compatible
 from specdec.config import config_from_cli, read_recipe, split_cli
-from train.model_card import LEAK_WARNING, CardInfo, render_card
+from train.model_card import LEAK_WARNING, CardInfo, num_draft_tokens, render_card
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,9 @@ class PublishConfig:
     license: str = "apache-2.0"  # the card's license: match the target's
     overwrite: bool = False  # replace a non-empty OUT
     dtype: str = "auto"  # export dtype; auto keeps the checkpoint's own
+    # An EAGLE-3 draft's layout: engines (what vLLM `"method": "eagle3"` and SGLang `EAGLE3` load) or speculators
+    # (vLLM speculators' own format: `vllm serve OUT` detects it, speculators' Eagle3DraftModel loads it).
+    format: str = "engines"
 
     def __post_init__(self) -> None:
         if not self.draft:
@@ -72,6 +75,8 @@ class PublishConfig:
             raise ValueError("license must be a Hub license id such as apache-2.0, mit or other")
         if self.dtype != "auto":
             models.resolve_dtype(self.dtype)  # raises with the valid names
+        if self.format not in ("engines", "speculators"):
+            raise ValueError(f"format must be engines or speculators, got {self.format!r}")
         if self.push_to_hub is not None:
             from huggingface_hub.utils import validate_repo_id
 
@@ -342,6 +347,16 @@ def publish(cfg: PublishConfig) -> Path:
     elif head == "reduced" and not engines_map_ids:
         log.warning("exporting the reduced head (%d ids) with its id map: only specdec loads it; pass "
                     "--full-vocab-head for transformers, vLLM and SGLang", num_kept)
+    save_options = {}
+    if cfg.format == "speculators":
+        if method != "eagle3":
+            raise ValueError("format=speculators is a layout of EAGLE-3 drafts; a plain draft is published as a "
+                             "transformers checkpoint (drop format=)")
+        save_options = {"format": "speculators", "speculators": {
+            "verifier": _base_model(target) or str(Path(models.resolve_path(target)).resolve()),
+            "verifier_architectures": list(getattr(model.config, "target_architectures", None) or
+                                           ["LlamaForCausalLM"]),
+            "num_draft_tokens": num_draft_tokens(report)}}
     _fill_generation_config(model, tokenizer)
 
     recipe = cfg.recipe
@@ -367,11 +382,12 @@ def publish(cfg: PublishConfig) -> Path:
         method=method,
         sglang_algorithm=getattr(model, "sglang_algorithm", "STANDALONE"),
         layer_ids=list(getattr(model, "layer_ids", []) or []),
+        format=cfg.format,
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        models.save_model(model, tokenizer, tmp)  # weights, config, tokenizer (+ a plain reduced head's id map)
+        models.save_model(model, tokenizer, tmp, **save_options)  # weights, config, tokenizer (+ a plain id map)
         (tmp / "README.md").write_text(render_card(info, report))
         if report is not None:
             (tmp / "specdec_eval_report.json").write_text(json.dumps(report, indent=2))

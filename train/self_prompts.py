@@ -14,11 +14,19 @@ uninterrupted run would have.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import re
 from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from specdec import SamplingConfig, target_generate
+from specdec.models import load_model, load_tokenizer
+from specdec.tokens import eos_ids
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +60,6 @@ def usable(text: str) -> bool:
 
 def path_for(cfg, out_dir: Path) -> Path:
     """The prompt file of these settings: another target, seed or sampling setting writes another file."""
-    import hashlib
 
     keys = ("target", "seed", "dtype", "batch_size", "self_prompt_temperature", "self_prompt_top_p",
             "self_prompt_max_tokens")
@@ -74,12 +81,7 @@ def _write(path: Path, rows: list[dict]) -> None:
 
 def generate(cfg, n: int, out_dir: Path, device=None) -> Path:
     """Make sure `out_dir/self_prompts.jsonl` holds n prompts written by cfg.target; returns its path."""
-    import torch
-    from tqdm.auto import tqdm
 
-    from specdec import SamplingConfig, target_generate
-    from specdec.models import load_model, load_tokenizer
-    from train.data import eos_ids
 
     path = path_for(cfg, out_dir)
     rows = _read(path)
