@@ -95,13 +95,14 @@ def main() -> None:
     parser.add_argument("demo_args", nargs="*", help="passed to `specdec demo` (e.g. minutes=45)")
     args = parser.parse_args()
     out = Path(args.out)
+    provenance = results.header("specdec demo, then its draft in vLLM")  # the tree the run starts from
     if not args.skip_demo:
         subprocess.run([sys.executable, "-m", "specdec", "demo", f"output_dir={out}", *args.demo_args], check=True)
     body = demo_section(out)
     if args.vllm_prompts:
         body += "\n\n" + vllm_section(out, args.vllm_prompts, args.vllm_new_tokens)
     print(body)
-    print(f"\nwritten to {results.write('demo', 'specdec demo, then its draft in vLLM', body)}")
+    print(f"\nwritten to {results.write('demo', '', body, provenance)}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Drafts in vLLM's server beside specdec's own decoder, on the embedded SmolLM2 target (or any pair).
 
-    python bench/engine.py --draft outputs/demo/draft          # a trained draft (e.g. the quick demo's)
+    python bench/engine.py --draft outputs/demo-quick/draft    # a trained draft (the quick demo's)
     python bench/engine.py --draft derived:0,1,2,3,4,29        # a plain draft derived from the target, untrained
     python bench/engine.py --draft D --concurrency 1,4,16 --num-prompts 16 --max-new-tokens 64 --k 2
 

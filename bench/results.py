@@ -56,9 +56,10 @@ def header(title: str) -> str:
         f"- command: `{command}`", "", ""])
 
 
-def write(name: str, title: str, body: str) -> Path:
-    """docs/results/<date>-<name>.md holding the provenance header and `body` (markdown); returns the path."""
+def write(name: str, title: str, body: str, provenance: str | None = None) -> Path:
+    """docs/results/<date>-<name>.md holding the provenance header (`header(title)` now, or the one a long run
+    took when it started, before the tree could change) and `body` (markdown); returns the path."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{_dt.date.today().isoformat()}-{name}.md"
-    path.write_text(header(title) + body.rstrip() + "\n")
+    path.write_text((provenance or header(title)) + body.rstrip() + "\n")
     return path

@@ -9,7 +9,8 @@ and SGLang serve unchanged; on a CPU a one-layer draft is also what speculation 
 
 Stages: target-generated data from the shipped prompt set -> a draft derived from the target and distilled on
 it -> evaluation against the target alone on the held-out prompts -> a published checkpoint with its model
-card. Everything lands in `output_dir` (default outputs/demo/); each stage resumes or is skipped when its output
+card. Everything lands in `output_dir` (default outputs/demo/, or outputs/demo-quick/ with --quick, so that the two
+never take each other's stages for their own); each stage resumes or is skipped when its output
 is complete, so an interrupted demo continues where it stopped when run again.
 
 The demo keeps to a time budget (`minutes`: 45, or 5 with --quick) on any machine, as far as its work allows:
@@ -42,7 +43,7 @@ class DemoConfig:
 
     quick: bool = False
     recipe: str = ""  # default: recipes/smollm2-135m-eagle3.yaml, or smollm2-135m-quick.yaml with --quick
-    output_dir: str = "outputs/demo"
+    output_dir: str = ""  # default: outputs/demo, or outputs/demo-quick with --quick
     eval_prompts: str = "embedded:heldout"
     eval_num_prompts: int | None = None  # default: 8 with --quick, else 24
     fresh: bool = False  # ignore completed stages and redo everything
@@ -55,6 +56,9 @@ class DemoConfig:
         if self.minutes < 0 or not 0.0 < self.data_share <= 1.0:
             raise ValueError(f"minutes must be >= 0 (0 = the default budget) and data_share in (0, 1], got "
                              f"{self.minutes} and {self.data_share}")
+
+    def out_dir(self) -> Path:
+        return Path(self.output_dir or ("outputs/demo-quick" if self.quick else "outputs/demo"))
 
     def budget_minutes(self) -> float:
         return self.minutes or (5.0 if self.quick else 45.0)
@@ -84,7 +88,7 @@ def run(cfg: DemoConfig) -> dict:
     recipe = cfg.recipe_path()
     if not recipe.is_file():
         raise ValueError(f"demo recipe {recipe} not found; run the demo from a checkout of specdec (make demo)")
-    out = Path(cfg.output_dir)
+    out = cfg.out_dir()
     data_dir, train_dir, eval_dir, draft_dir = out / "data", out / "train", out / "eval", out / "draft"
     timings: dict[str, float] = {}
     demo_start, budget = time.perf_counter(), cfg.budget_minutes()
