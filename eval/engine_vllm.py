@@ -668,9 +668,16 @@ def speculative_config(method: str, draft: str | None, k: int, cfg) -> dict:
     if method == "ngram":
         spec |= {"prompt_lookup_min": cfg.vllm_ngram_lookup[0], "prompt_lookup_max": cfg.vllm_ngram_lookup[1]}
     else:
-        spec["model"] = _path_vllm_keeps_the_method_of(resolve_path(draft)) if method == "draft_model" \
-            else resolve_path(draft)
+        spec["model"] = _path_vllm_keeps_the_method_of(served_path(draft)) if method == "draft_model" \
+            else served_path(draft)
     return spec | dict(cfg.vllm_speculative_config or {})
+
+
+def served_path(name_or_path: str) -> str:
+    """What the server is given for a model: a local folder as an absolute path (the server runs in the report's
+    folder, where a relative one names nothing), a Hub id unchanged."""
+    path = resolve_path(name_or_path)
+    return str(Path(path).resolve()) if Path(path).exists() else path
 
 
 @functools.cache
@@ -712,7 +719,7 @@ def build_servers(cfg, install: Install, modes: list[str], k: int, dtype: str, o
             port = free_port()
             while any(s.port == port for s in servers.values()):
                 port = free_port()
-        cmd = install.serve_command(resolve_path(cfg.target)) + [
+        cmd = install.serve_command(served_path(cfg.target)) + [
             "--host", HOST, "--port", str(port), "--dtype", dtype, "--seed", str(cfg.seed),
             # Sampling is what the request says, not the model's generation_config.json defaults.
             "--generation-config", "vllm"]

@@ -379,3 +379,19 @@ def test_server_lifecycle_stops_the_whole_process_group(tmp_path):
     with pytest.raises(ProcessLookupError):
         os.killpg(pgid, 0)
     assert subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True).returncode == 1
+
+
+def test_servers_get_absolute_local_paths_and_draft_model_paths_free_of_eagle(tmp_path, monkeypatch):
+    """The server runs in the report's folder, so a relative draft folder would name nothing there; and vLLM reads
+    "eagle3" anywhere in a draft_model path as the method eagle3."""
+    from types import SimpleNamespace
+
+    (tmp_path / "runs-eagle3" / "plain").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    cfg = SimpleNamespace(vllm_speculative_config=None)
+    spec = engine_vllm.speculative_config("draft_model", "runs-eagle3/plain", 2, cfg)
+    assert Path(spec["model"]).is_absolute() and "eagle" not in spec["model"].lower()
+    assert Path(spec["model"]).resolve() == (tmp_path / "runs-eagle3" / "plain").resolve()
+    eagle = engine_vllm.speculative_config("eagle3", "runs-eagle3/plain", 2, cfg)
+    assert eagle["model"] == str((tmp_path / "runs-eagle3" / "plain").resolve())
+    assert engine_vllm.served_path("org/some-model") == "org/some-model"
