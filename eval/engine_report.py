@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from eval import engine_vllm, equivalence, metrics, report
+from eval import engine_vllm, equivalence, metrics, plots, report
 from eval.engine_markdown import _has_specdec
 from eval.engine_vllm import TARGET_ONLY, EngineError, Install
 from eval.plots import _plt
@@ -354,16 +354,5 @@ def make_plots(r: dict, out_dir: Path, fmt: str = "png") -> dict[str, str]:
             if x["per_position_acceptance"] and x["concurrency"] == min(e["concurrency"])]
     if _has_specdec(r):
         bars.insert(0, ("specdec decoder", r["speculative"]["per_position_acceptance"]))
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    width = 0.8 / max(1, len(bars))
-    for j, (label, acc) in enumerate(bars):
-        ax.bar([i + 1 + (j - (len(bars) - 1) / 2) * width for i in range(len(acc))], acc, width=width, label=label)
-    ax.set_xlabel("draft position i")
-    ax.set_ylabel("P(accept i | accepted < i)")
-    ax.set_ylim(0, 1)
-    ax.set_title("Per-position acceptance")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out_dir / files["engine_per_position"], dpi=110)
-    plt.close(fig)
+    plots.acceptance_bars(bars, out_dir / files["engine_per_position"])
     return files

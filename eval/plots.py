@@ -18,19 +18,23 @@ def _plt():
 
 def per_position_acceptance(rows: list[dict], path: Path) -> None:
     """Bars of P(draft token i accepted | tokens < i accepted), one group per k (batch size of the best row)."""
+    acceptance_bars([(f"k={r['num_draft_tokens']}", r["speculative"]["per_position_acceptance"]) for r in rows],
+                    path)
+
+
+def acceptance_bars(bars: list[tuple[str, list[float]]], path: Path) -> None:
+    """Per-position acceptance, one bar of each (label, acceptance per position) at every position."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    width = 0.8 / max(1, len(rows))
-    for j, r in enumerate(rows):
-        acc = r["speculative"]["per_position_acceptance"]
-        xs = [i + 1 + (j - (len(rows) - 1) / 2) * width for i in range(len(acc))]
-        ax.bar(xs, acc, width=width, label=f"k={r['num_draft_tokens']}")
-    ax.set_xticks(range(1, 1 + max(len(r["speculative"]["per_position_acceptance"]) for r in rows)))
+    width = 0.8 / max(1, len(bars))
+    for j, (label, acc) in enumerate(bars):
+        ax.bar([i + 1 + (j - (len(bars) - 1) / 2) * width for i in range(len(acc))], acc, width=width, label=label)
+    ax.set_xticks(range(1, 1 + max((len(acc) for _, acc in bars), default=0)))
     ax.set_xlabel("draft position i")
     ax.set_ylabel("P(accept i | accepted < i)")
     ax.set_ylim(0, 1)
     ax.set_title("Per-position acceptance")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
