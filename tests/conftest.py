@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -180,3 +187,25 @@ def fresh_accelerate_state():
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     PartialState._reset_state()
+
+
+def kill_data_run_after(args: list[str], env: dict, out: Path, shards: int, timeout: float, poll: float) -> None:
+    """Start `python -m train.data ARGS` and SIGKILL it once its manifest lists `shards` finished shards (it must
+    still be running then, else its stderr is shown)."""
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-m", "train.data", *args], cwd=repo, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + timeout
+        while time.time() < deadline and proc.poll() is None:
+            manifest = out / "manifest.json"
+            if manifest.is_file() and len(json.loads(manifest.read_text())["shards"]) >= shards:
+                break
+            time.sleep(poll)
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stderr.close()

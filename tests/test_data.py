@@ -6,15 +6,11 @@ import dataclasses
 import json
 import os
 import re
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_llama, tiny_tokenizer
+from conftest import kill_data_run_after, tiny_llama, tiny_tokenizer
 
 from specdec.decode import target_generate
 from specdec.eagle3 import HiddenStateRecorder
@@ -245,22 +241,7 @@ def test_killed_subprocess_resumes_exactly_once(tiny_target, tmp_path):
     args = [f"target={tiny_target}", f"prompts={prompts}", f"output_dir={out}", "max_new_tokens=6", "batch_size=2",
             "shard_size=2", "dtype=float64", "device=cpu", "spec_bench_turns=all", "top_logprobs=2"]
     env = dict(os.environ, OMP_NUM_THREADS="1", **{gen._PAUSE_ENV: "0.5"})
-    proc = subprocess.Popen([sys.executable, "-m", "train.data", *args], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.time() + 120
-        while time.time() < deadline and proc.poll() is None:
-            manifest = out / "manifest.json"
-            if manifest.is_file() and len(json.loads(manifest.read_text())["shards"]) >= 2:
-                break
-            time.sleep(0.05)
-        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.stderr.close()
+    kill_data_run_after(args, env, out, shards=2, timeout=120, poll=0.05)
     partial = json.loads((out / "manifest.json").read_text())
     assert not partial["complete"] and 2 <= len(partial["shards"]) < partial["num_shards"] == 8
     cfg = _cfg(tiny_target, prompts, out, batch_size=2, shard_size=2, top_logprobs=2)

@@ -11,15 +11,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_llama, tiny_tokenizer
+from conftest import kill_data_run_after, tiny_llama, tiny_tokenizer
 from test_data import full_features
 
 from train import data as gen
@@ -98,22 +95,7 @@ def test_killed_vllm_run_resumes_to_the_uninterrupted_result(reference, tiny_vll
     args = [f"{k}={json.dumps(v) if isinstance(v, (list, dict)) else v}" for k, v in _settings().items()]
     args += [f"target={tiny_vllm_target}", f"prompts={prompts}", f"output_dir={out}", "vllm_args={enforce_eager: true}"]
     env = dict(os.environ, **{gen._PAUSE_ENV: "3"})
-    proc = subprocess.Popen([sys.executable, "-m", "train.data", *args], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.time() + 300
-        while time.time() < deadline and proc.poll() is None:
-            manifest = out / "manifest.json"
-            if manifest.is_file() and json.loads(manifest.read_text())["shards"]:
-                break
-            time.sleep(0.1)
-        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.stderr.close()
+    kill_data_run_after(args, env, out, shards=1, timeout=300, poll=0.1)
     pid = int(re.search(r"specdec vllm worker pid (\d+)", (out / gen._VLLM_LOG).read_text()).group(1))
     deadline = time.time() + 20
     while time.time() < deadline and Path(f"/proc/{pid}").exists() and "Z" not in _state(pid):
