@@ -18,9 +18,9 @@ import platform
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from eval.runner import measure_costs
+from specdec.eval.runner import measure_costs
 from specdec.models import EMBEDDED_TARGET, load_model
-from train.draft import derive_draft
+from specdec.train.draft import derive_draft
 
 # Published configs of the recipes' pairs (their config.json on the Hub), with what timing depends on.
 _LLAMA3 = dict(vocab_size=128256, num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0)
@@ -56,7 +56,7 @@ def pair_for(name: str, dtype: torch.dtype, device: torch.device):
     target_config, draft_spec, vocab = SHAPES[name]
     target = random_model(target_config, dtype, device)
     if isinstance(draft_spec, list):
-        from train.draft import reduce_vocab
+        from specdec.train.draft import reduce_vocab
 
         draft = derive_draft(target, draft_spec).to(device=device, dtype=dtype)
         if vocab:

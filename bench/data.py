@@ -7,8 +7,8 @@ or (--backend vllm) its two backends against each other.
     python bench/data.py --backend vllm --repeats 2 --prompts 64 --max-new-tokens 96 --batch-size 64
 
 Greedy, the same prompts (spread over the embedded prompt set's kinds), chat template and EOS for both.
-The data stage runs through `train.data.run` exactly as `specdec data` does (its generation seconds come from
-the manifest, so model loading and vLLM's start are left out; the start is printed apart); the baseline calls
+The data stage runs through `specdec.train.data.run` exactly as `specdec data` does (its generation seconds come
+from the manifest, so model loading and vLLM's start are left out; the start is printed apart); the baseline calls
 `model.generate` once per prompt. Prints generated tokens/s of each, their ratio measured in this run, and how many
 completions agree token for token (batched float32 GEMMs may flip near-ties, so a few may differ).
 
@@ -35,8 +35,8 @@ import torch
 
 from specdec.models import EMBEDDED_TARGET, load_model, load_tokenizer, resolve_dtype
 from specdec.prompts import encode_prompt, read_prompts
-from train.data import DataConfig, load_generated, run
-from train.prompt_set import EMBEDDED_TRAIN_PROMPTS
+from specdec.train.data import DataConfig, load_generated, run
+from specdec.train.prompt_set import EMBEDDED_TRAIN_PROMPTS
 
 
 def pick_prompts(n: int) -> list[dict]:
@@ -68,8 +68,8 @@ def baseline(target: str, records: list[dict], max_new_tokens: int) -> tuple[dic
 
 
 def data_stage(target: str, records: list[dict], max_new_tokens: int, batch_size: int, folder: Path, **settings):
-    """`train.data.run` over the same prompts (more DataConfig `settings` allowed): completions, generated tokens,
-    generation seconds, and the run's other seconds (loading; vLLM's start)."""
+    """`specdec.train.data.run` over the same prompts (more DataConfig `settings` allowed): completions, generated
+    tokens, generation seconds, and the run's other seconds (loading; vLLM's start)."""
     prompts = folder / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
     cfg = DataConfig(**{**dict(target=target, prompts=str(prompts), output_dir=str(folder / "out"),

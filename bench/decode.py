@@ -68,7 +68,7 @@ def main() -> None:
     if args.draft:
         draft = load_model(args.draft, dtype=args.dtype, device="cpu")
     else:
-        from train.draft import derive_draft
+        from specdec.train.draft import derive_draft
 
         draft = derive_draft(target, [int(x) for x in args.layers.split(",")]).to(getattr(torch, args.dtype))
     draft.eval()

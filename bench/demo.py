@@ -22,8 +22,8 @@ from pathlib import Path
 
 import results  # bench/results.py (this script runs with bench/ on its path)
 
-from eval.runner import EvalConfig, run
 from specdec.demo import _print_summary
+from specdec.eval.runner import EvalConfig, run
 
 
 def demo_section(out: Path) -> str:

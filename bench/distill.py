@@ -80,8 +80,8 @@ def score(result: dict, heldouts: list[str], target: str) -> dict:
 
     from specdec import replay
     from specdec.models import load_model
-    from train.batches import collate, load_split
-    from train.distill import TrainConfig
+    from specdec.train.batches import collate, load_split
+    from specdec.train.distill import TrainConfig
 
     model = load_model(result["draft"], dtype="float32", device="cpu").eval()
     reads_target = hasattr(model, "read_target")

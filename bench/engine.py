@@ -17,14 +17,14 @@ from pathlib import Path
 
 import results  # bench/results.py (this script runs with bench/ on its path)
 
-from eval.engine_vllm import EngineError
-from eval.runner import EvalConfig, run
+from specdec.eval.engine_vllm import EngineError
+from specdec.eval.runner import EvalConfig, run
 from specdec.models import EMBEDDED_TARGET, load_model, load_tokenizer, save_model
 
 
 def derived_draft(target: str, layers: str, folder: Path) -> str:
     """A plain draft made of some of the target's layers (train.draft.derive_draft), saved for vLLM to load."""
-    from train.draft import derive_draft
+    from specdec.train.draft import derive_draft
 
     model = load_model(target, "float32", "cpu")
     return str(save_model(derive_draft(model, [int(i) for i in layers.split(",")]), load_tokenizer(target), folder))

@@ -22,8 +22,8 @@ import torch
 from transformers import LlamaConfig
 
 from specdec.eagle3 import Eagle3Draft, draft_config
-from train.distill import TrainConfig
-from train.eagle3_train import eagle3_loss
+from specdec.train.distill import TrainConfig
+from specdec.train.eagle3_train import eagle3_loss
 
 SMOLLM2 = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                       num_key_value_heads=3, vocab_size=49152, rms_norm_eps=1e-5, max_position_embeddings=8192,

@@ -1,4 +1,4 @@
 """Evaluation: baseline vs speculative benchmark, equivalence checks, the decision report, and `specdec verify`.
 
-Import submodules as `from eval import runner`; `import eval` would shadow the builtin.
+Shipped as `specdec.eval` (pyproject's package-dir maps this folder there): `from specdec.eval import runner`.
 """

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 
-from eval.runner import EvalConfig, run
-from eval.verify import VerifyConfig, format_result, run_verify
 from specdec.config import config_from_cli
+from specdec.eval.runner import EvalConfig, run
+from specdec.eval.verify import VerifyConfig, format_result, run_verify
 
 log = logging.getLogger(__name__)
 

@@ -15,11 +15,11 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from eval import engine_vllm, equivalence, metrics, plots, report
-from eval.engine_markdown import _has_specdec
-from eval.engine_vllm import TARGET_ONLY, EngineError, Install
-from eval.plots import _plt
-from eval.verify import first_turn, resolve_prompts_path
+from specdec.eval import engine_vllm, equivalence, metrics, plots, report
+from specdec.eval.engine_markdown import _has_specdec
+from specdec.eval.engine_vllm import TARGET_ONLY, EngineError, Install
+from specdec.eval.plots import _plt
+from specdec.eval.verify import first_turn, resolve_prompts_path
 from specdec.models import load_tokenizer, resolve_device
 from specdec.prompts import encode_prompt, read_prompts
 

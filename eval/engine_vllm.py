@@ -41,9 +41,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from eval import metrics
-from eval.verify import _last_probs, _setting_label, goodness_of_fit, judge
 from specdec.compat import vocab_differences
+from specdec.eval import metrics
+from specdec.eval.verify import _last_probs, _setting_label, goodness_of_fit, judge
 from specdec.models import load_model, load_tokenizer, resolve_device, resolve_dtype, resolve_path
 from specdec.vllm_env import vllm_python, vllm_version
 from specdec.vocab import CONFIG_KEY

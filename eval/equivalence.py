@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from eval.metrics import first_mismatch
+from specdec.eval.metrics import first_mismatch
 
 SAMPLING_NOTE = (
     "Under sampling a token-by-token match is meaningless (two samples of one distribution differ). "
@@ -45,7 +45,7 @@ def greedy_equivalence(
 
 
 def sampling_equivalence(check: dict | None) -> dict:
-    """The report's equivalence entry under sampling, from an `eval.verify` result (None when not run)."""
+    """The report's equivalence entry under sampling, from a `specdec.eval.verify` result (None when not run)."""
     if check is None:
         return {"mode": "sampling", "passed": None, "checked": 0, "mismatches": 0, "note": SAMPLING_NOTE}
     failed = [t for t in check["tests"] if not t["passed"]]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eval import metrics
+from specdec.eval import metrics
 
 
 def _plt():

@@ -29,14 +29,14 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from eval import decision as decision_mod
-from eval import engine_report, equivalence, metrics, plots, report
-from eval.engine_vllm import check_settings
-from eval.verify import _draft_tokenizer, check_pair, first_turn, resolve_prompts_path
 from specdec import replay
 from specdec.compat import check_compatible
 from specdec.decode import DecodeStats, speculative_generate, target_generate
 from specdec.drafter import make_drafter
+from specdec.eval import decision as decision_mod
+from specdec.eval import engine_report, equivalence, metrics, plots, report
+from specdec.eval.engine_vllm import check_settings
+from specdec.eval.verify import _draft_tokenizer, check_pair, first_turn, resolve_prompts_path
 from specdec.fast_linear import fast_linears
 from specdec.kv import Batch, cache_kwarg, prefill
 from specdec.models import load_model, load_tokenizer, resolve_device, share_target_embeddings

@@ -420,9 +420,10 @@ EMBEDDED_HELDOUT = "embedded:heldout"
 
 
 def resolve_prompts_path(name: str) -> Path:
-    """A prompt file path; `embedded:heldout` is the held-out set shipped in the installed `train` package."""
+    """A prompt file path; `embedded:heldout` is the held-out set shipped in the installed `specdec.train` package
+    (found without importing it: eval does not import train)."""
     if name.strip().lower() == EMBEDDED_HELDOUT:
-        spec = importlib.util.find_spec("train")
+        spec = importlib.util.find_spec("specdec.train")
         folders = [] if spec is None else list(spec.submodule_search_locations or [])
         if spec is not None and spec.origin:
             folders.insert(0, str(Path(spec.origin).parent))

@@ -1,7 +1,7 @@
 """The `specdec` command. Each subcommand lives in its own module and is imported only when called.
 
     specdec data     prompts -> target-generated dataset (resumable)
-    specdec train    distil a draft (same code path as `accelerate launch -m train --config ...`)
+    specdec train    distil a draft (same code path as `accelerate launch -m specdec.train --config ...`)
     specdec eval     baseline vs speculative report
     specdec verify   distribution equivalence of the speculative sampler
     specdec publish  HF-format draft + model card (+ push to the Hub when asked)
@@ -21,11 +21,11 @@ import traceback
 # subcommand -> (module, function, one-line help). Modules are imported lazily: `specdec` must not import
 # `train` or `eval` at module level (DESIGN.md).
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "data": ("train.data", "main", "prompts -> target-generated dataset (resumable)"),
-    "train": ("train.distill", "main", "distil a draft on target-generated data"),
-    "eval": ("eval.cli", "main_eval", "baseline vs speculative report (report.json, report.md, plots)"),
-    "verify": ("eval.cli", "main_verify", "check that speculative sampling is distributed as the target"),
-    "publish": ("train.publish", "main", "export a draft as a plain HF checkpoint with a model card"),
+    "data": ("specdec.train.data", "main", "prompts -> target-generated dataset (resumable)"),
+    "train": ("specdec.train.distill", "main", "distil a draft on target-generated data"),
+    "eval": ("specdec.eval.cli", "main_eval", "baseline vs speculative report (report.json, report.md, plots)"),
+    "verify": ("specdec.eval.cli", "main_verify", "check that speculative sampling is distributed as the target"),
+    "publish": ("specdec.train.publish", "main", "export a draft as a plain HF checkpoint with a model card"),
     "demo": ("specdec.demo", "main", "the embedded default end to end"),
 }
 

@@ -76,14 +76,14 @@ def _stage(name: str, index: int, total: int = 4) -> float:
 
 def run(cfg: DemoConfig) -> dict:
     """Run the four stages and return the evaluation report."""
-    from eval.runner import EvalConfig
-    from eval.runner import run as run_eval
-    from train.checkpoints import latest_checkpoint
-    from train.data import DataConfig, read_manifest
-    from train.data import run as run_data
-    from train.distill import TrainConfig
-    from train.distill import run as run_train
-    from train.publish import PublishConfig, publish
+    from specdec.eval.runner import EvalConfig
+    from specdec.eval.runner import run as run_eval
+    from specdec.train.checkpoints import latest_checkpoint
+    from specdec.train.data import DataConfig, read_manifest
+    from specdec.train.data import run as run_data
+    from specdec.train.distill import TrainConfig
+    from specdec.train.distill import run as run_train
+    from specdec.train.publish import PublishConfig, publish
 
     recipe = cfg.recipe_path()
     if not recipe.is_file():

@@ -190,10 +190,10 @@ def fresh_accelerate_state():
 
 
 def kill_data_run_after(args: list[str], env: dict, out: Path, shards: int, timeout: float, poll: float) -> None:
-    """Start `python -m train.data ARGS` and SIGKILL it once its manifest lists `shards` finished shards (it must
-    still be running then, else its stderr is shown)."""
+    """Start `python -m specdec.train.data ARGS` and SIGKILL it once its manifest lists `shards` finished shards (it
+    must still be running then, else its stderr is shown)."""
     repo = Path(__file__).resolve().parents[1]
-    proc = subprocess.Popen([sys.executable, "-m", "train.data", *args], cwd=repo, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "specdec.train.data", *args], cwd=repo, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.time() + timeout

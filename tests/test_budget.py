@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import get_cosine_schedule_with_warmup
 
-from train.budget import CosineToEnd, TimeBudget
+from specdec.train.budget import CosineToEnd, TimeBudget
 
 
 def _lrs(scheduler, steps: int) -> list[float]:

@@ -1,6 +1,6 @@
 """The same guarantees on a CUDA GPU (skipped where there is none): greedy and sampled exactness of the decoder,
-the trainer under bf16 autocast through its real entry points (`python -m train`, `accelerate launch` with the
-single-GPU and FSDP recipes), and `specdec eval`'s device figures.
+the trainer under bf16 autocast through its real entry points (`python -m specdec.train`, `accelerate launch` with
+the single-GPU and FSDP recipes), and `specdec eval`'s device figures.
 
 CI has no GPU; these run wherever one is present (`pytest tests/test_cuda.py`)."""
 
@@ -127,9 +127,9 @@ def test_python_dash_m_train_on_cuda_in_bf16_and_resume(world, tmp_path, teacher
     out = tmp_path / "run"
     recipe = _recipe(world, tmp_path / "r.yaml", out, teacher=teacher, on_policy_fraction=0.5,
                      on_policy_max_new_tokens=4)
-    assert _train([sys.executable, "-m", "train", "--config", str(recipe)], out)["steps"] == 4
-    summary = _train([sys.executable, "-m", "train", "--config", str(recipe), "resume_from=latest", "max_steps=6"],
-                     out)
+    assert _train([sys.executable, "-m", "specdec.train", "--config", str(recipe)], out)["steps"] == 4
+    summary = _train([sys.executable, "-m", "specdec.train", "--config", str(recipe), "resume_from=latest",
+                      "max_steps=6"], out)
     assert summary["steps"] == 6
 
 
@@ -138,8 +138,8 @@ def test_accelerate_launch_recipes_on_one_gpu(world, tmp_path, accelerate_config
     out = tmp_path / "run"
     recipe = _recipe(world, tmp_path / "r.yaml", out)
     _train([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-            str(ROOT / "recipes" / "accelerate" / accelerate_config), "--num_processes", "1", "-m", "train",
-            "--config", str(recipe)], out)
+            str(ROOT / "recipes" / "accelerate" / accelerate_config), "--num_processes", "1",
+            "-m", "specdec.train", "--config", str(recipe)], out)
 
 
 # ---- eval on the GPU -------------------------------------------------------------------------------------
@@ -160,8 +160,8 @@ def test_eval_on_cuda_reports_the_device_and_its_memory(tiny_checkpoints, tmp_pa
 
 
 def test_data_stage_with_self_written_prompts_on_cuda(tiny_checkpoints, tmp_path):
-    from train import data as data_stage
-    from train.data import DataConfig
+    from specdec.train import data as data_stage
+    from specdec.train.data import DataConfig
 
     cfg = DataConfig(target=tiny_checkpoints["target"], prompts=f"{tiny_checkpoints['prompts']},self:5",
                      output_dir=str(tmp_path), batch_size=16, max_new_tokens=4, self_prompt_max_tokens=12,

@@ -1,4 +1,4 @@
-"""train.data (target-generated data, resumable) and train.prompt_set (the embedded prompt set)."""
+"""specdec.train.data (target-generated data, resumable) and specdec.train.prompt_set (the embedded prompt set)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from conftest import kill_data_run_after, tiny_llama, tiny_tokenizer
 from specdec.decode import target_generate
 from specdec.eagle3 import HiddenStateRecorder
 from specdec.prompts import encode_prompt, read_prompts
-from train import data as gen
-from train.data import DataConfig, conversation, load_generated, plan_items, run
-from train.prompt_set import EMBEDDED_HELDOUT_PROMPTS, EMBEDDED_TRAIN_PROMPTS, build_prompt_sets
+from specdec.train import data as gen
+from specdec.train.data import DataConfig, conversation, load_generated, plan_items, run
+from specdec.train.prompt_set import EMBEDDED_HELDOUT_PROMPTS, EMBEDDED_TRAIN_PROMPTS, build_prompt_sets
 
 REPO = Path(__file__).resolve().parents[1]
 from conftest import SPEC_BENCH  # noqa: E402

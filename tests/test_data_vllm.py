@@ -1,4 +1,4 @@
-"""train.data's vLLM backend against the real engine, which runs from vLLM's own environment (`make vllm-env`).
+"""specdec.train.data's vLLM backend against the real engine, which runs from vLLM's own environment (`make vllm-env`).
 
 Skipped only where no Python with vLLM is found. Each engine start costs tens of seconds on 2 CPU cores, so the
 tests start the engine eagerly (no torch.compile; the compiled default is what bench/data.py --backend vllm runs,
@@ -19,8 +19,8 @@ import torch
 from conftest import kill_data_run_after, tiny_llama, tiny_tokenizer
 from test_data import full_features
 
-from train import data as gen
-from train.data import DataConfig, load_generated, run
+from specdec.train import data as gen
+from specdec.train.data import DataConfig, load_generated, run
 
 pytestmark = pytest.mark.vllm
 REPO = Path(__file__).resolve().parents[1]
@@ -170,7 +170,7 @@ def test_vllm_float32_greedy_equals_the_transformers_backend(vllm_python, tmp_pa
     """The embedded SmolLM2 target, float32, greedy: vLLM's completions equal the transformers backend's token for
     token, with the same top log-probs (to float32 rounding) and the same features (to float16 rounding)."""
     from specdec.models import EMBEDDED_TARGET, embedded_checkpoint
-    from train.prompt_set import EMBEDDED_HELDOUT_PROMPTS
+    from specdec.train.prompt_set import EMBEDDED_HELDOUT_PROMPTS
 
     embedded_checkpoint()
     records = [json.loads(line) for line in EMBEDDED_HELDOUT_PROMPTS.read_text().splitlines()[:4]]

@@ -9,8 +9,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from specdec.compat import check_compatible
 from specdec.models import load_model, save_model
+from specdec.train import draft as draft_lib
 from specdec.vocab import draft_to_target_map
-from train import draft as draft_lib
 
 
 def _tied_target(layers: int = 4) -> LlamaForCausalLM:

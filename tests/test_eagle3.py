@@ -277,7 +277,7 @@ def test_a_draft_failure_falls_back_to_the_target(target4, random_draft, monkeyp
 
 
 def test_ttt_step_weights_and_the_loss_masks():
-    from train.eagle3_train import step_weights
+    from specdec.train.eagle3_train import step_weights
 
     assert step_weights(1, 0.8) == [1.0]
     w = step_weights(3, 0.8)
@@ -285,8 +285,8 @@ def test_ttt_step_weights_and_the_loss_masks():
 
 
 def test_the_online_teachers_restricted_head_gives_the_restricted_full_logits():
-    from train import losses
-    from train.eagle3_train import teacher_head
+    from specdec.train import losses
+    from specdec.train.eagle3_train import teacher_head
 
     head = torch.nn.Linear(16, VOCAB, bias=True)
     keep = torch.tensor([0, 2, 5, 9, 64, 127])
@@ -299,9 +299,9 @@ def test_the_online_teachers_restricted_head_gives_the_restricted_full_logits():
 def test_the_loss_is_zero_only_where_the_draft_can_propose(target4):
     """EAGLE-3's position mask: positions whose target token lies outside the draft vocabulary add nothing, and a
     draft vocabulary without any of the data's tokens gives a zero loss (not a nan)."""
-    from train.batches import collate
-    from train.distill import TrainConfig
-    from train.eagle3_train import eagle3_loss, target_states
+    from specdec.train.batches import collate
+    from specdec.train.distill import TrainConfig
+    from specdec.train.eagle3_train import eagle3_loss, target_states
 
     draft = Eagle3Draft.from_target(target4, LAYERS, keep_ids=torch.tensor([3, 4]))
     seqs = [[10, 11, 12, 13, 14, 15], [20, 21, 22, 23]]
@@ -323,7 +323,7 @@ def test_the_trainer_distils_an_eagle3_draft_end_to_end(tmp_path, teacher, steps
 
     from conftest import save_tiny_world
 
-    from train import distill
+    from specdec.train import distill
 
     ws = save_tiny_world(tmp_path / "ws", target_layers=4, small_seed=7, n_train=24, n_heldout=6)
     cfg = distill.TrainConfig(target=str(ws / "target"), train_data=str(ws / "data"), heldout_data=str(ws / "heldout"),
@@ -334,7 +334,7 @@ def test_the_trainer_distils_an_eagle3_draft_end_to_end(tmp_path, teacher, steps
     messages = []
     handler = logging.Handler()
     handler.emit = lambda record: messages.append(record.getMessage())
-    logger = logging.getLogger("train.distill")
+    logger = logging.getLogger("specdec.train.distill")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:
@@ -361,9 +361,9 @@ def test_states_recorded_by_the_data_stage_spare_the_target_forward(tmp_path, mo
     states; data recorded with other layers, or without states, falls back to computing them."""
     from conftest import save_tiny_world
 
-    from train import distill, eagle3_train
-    from train.data import DataConfig
-    from train.data import run as run_data
+    from specdec.train import distill, eagle3_train
+    from specdec.train.data import DataConfig
+    from specdec.train.data import run as run_data
 
     ws = save_tiny_world(tmp_path / "ws", target_layers=4, small_seed=7, n_train=2, n_heldout=2)
     prompts = tmp_path / "p.jsonl"
@@ -393,7 +393,7 @@ def test_states_recorded_by_the_data_stage_spare_the_target_forward(tmp_path, mo
 def test_states_cache_computes_once_and_tells_same_ids_with_other_tokens_apart(target4):
     import contextlib
 
-    from train.eagle3_train import StatesCache, target_states
+    from specdec.train.eagle3_train import StatesCache, target_states
 
     cache = StatesCache(target4, contextlib.nullcontext, LAYERS, target4.config.hidden_size)
     ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 0]])
@@ -409,7 +409,7 @@ def test_states_cache_computes_once_and_tells_same_ids_with_other_tokens_apart(t
 
 
 def test_eagle3_config_errors():
-    from train.distill import TrainConfig
+    from specdec.train.distill import TrainConfig
 
     with pytest.raises(ValueError, match="replaced by draft: eagle3"):
         TrainConfig(draft="feature")

@@ -20,9 +20,9 @@ from specdec.eagle3 import Eagle3Draft
 from specdec.models import EMBEDDED_TARGET, load_model, load_tokenizer, save_model
 from specdec.prompts import encode_prompt
 from specdec.replay import target_states
+from specdec.train import publish as pub
+from specdec.train.draft import derive_draft
 from specdec.vllm_env import find_vllm_python
-from train import publish as pub
-from train.draft import derive_draft
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 

@@ -25,8 +25,8 @@ import torch
 from conftest import TINY_EVAL_PROMPTS, tiny_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from eval import engine_vllm
 from specdec.cli import main
+from specdec.eval import engine_vllm
 from specdec.vllm_env import find_vllm_python
 
 
@@ -285,7 +285,7 @@ def test_engine_bad_settings_exit_2_with_the_fix(pair, tmp_path, capsys, args, m
 
 
 def test_ngram_alone_needs_no_draft():
-    from eval.runner import EvalConfig
+    from specdec.eval.runner import EvalConfig
 
     cfg = EvalConfig(engine=["vllm"], vllm_method="ngram", out="x")
     assert engine_vllm.engine_methods(cfg) == ["ngram"]

@@ -150,7 +150,7 @@ def test_eval_missing_draft_and_out(tiny_checkpoints, tmp_path, capsys):
 
 
 def test_embedded_heldout_prompt_set_resolves():
-    from eval.verify import resolve_prompts_path
+    from specdec.eval.verify import resolve_prompts_path
 
     path = resolve_prompts_path("embedded:heldout")
     assert path.name == "prompts_heldout.jsonl" and path.is_file()
@@ -161,7 +161,7 @@ def test_embedded_heldout_prompt_set_resolves():
 def test_eval_on_the_embedded_target_with_a_derived_draft(tmp_path):
     """The real SmolLM2 target and a 2-layer draft derived from it: greedy outputs must match token for token."""
     from specdec.models import EMBEDDED_TARGET, load_model, load_tokenizer, save_model
-    from train.draft import derive_draft
+    from specdec.train.draft import derive_draft
 
     target = load_model(EMBEDDED_TARGET, dtype="float32", device="cpu")
     draft_dir = save_model(derive_draft(target, [0, 1]), load_tokenizer(EMBEDDED_TARGET), tmp_path / "draft")
@@ -213,8 +213,8 @@ def test_eval_catches_a_decoder_that_is_not_exact(tiny_checkpoints, tmp_path, mo
 
 @pytest.mark.parametrize("recipe", sorted((Path(__file__).parents[1] / "recipes").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_recipe_eval_section_builds_a_config(recipe):
-    from eval.runner import EvalConfig
     from specdec.config import load_config
+    from specdec.eval.runner import EvalConfig
 
     cfg = load_config(EvalConfig, recipe, [], section="eval")
     assert cfg.draft and cfg.num_draft_tokens and cfg.out_dir().name == "eval"

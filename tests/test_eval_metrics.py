@@ -9,9 +9,9 @@ import pytest
 import torch
 from conftest import tiny_llama
 
-from eval import decision, equivalence, metrics
-from eval.runner import measure_costs
-from eval.verify import chi2_sf, goodness_of_fit, homogeneity, pool_cells, tv_tolerance
+from specdec.eval import decision, equivalence, metrics
+from specdec.eval.runner import measure_costs
+from specdec.eval.verify import chi2_sf, goodness_of_fit, homogeneity, pool_cells, tv_tolerance
 
 
 def test_percentiles_interpolate_linearly():

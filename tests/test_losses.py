@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specdec.replay import greedy_rounds, per_position_agreement, simulated_tau, tau_from_alpha
-from train import losses
+from specdec.train import losses
 
 
 def _logits(seed: int, shape=(3, 5, 11), scale: float = 3.0) -> torch.Tensor:

@@ -52,7 +52,7 @@ def test_missing_embedded_package_gives_the_install_command(monkeypatch, tmp_pat
 
 
 def test_a_draft_with_the_targets_embeddings_shares_them_and_decodes_the_same():
-    from train.draft import derive_draft
+    from specdec.train.draft import derive_draft
 
     target = tiny_llama(seed=1)
     draft = derive_draft(target, [0]).double()  # a copy of the target's embeddings
@@ -68,7 +68,7 @@ def test_a_draft_with_the_targets_embeddings_shares_them_and_decodes_the_same():
 
 
 def test_a_draft_whose_embeddings_differ_keeps_its_own():
-    from train.draft import derive_draft
+    from specdec.train.draft import derive_draft
 
     target = tiny_llama(seed=1)
     draft = derive_draft(target, [0]).double()
@@ -110,7 +110,7 @@ def test_compatibility_check_allows_reduced_heads_but_not_short_embeddings(tiny_
 
 @pytest.mark.slow
 def test_embedded_target_loads_and_decodes_exactly():
-    from train.draft import derive_draft
+    from specdec.train.draft import derive_draft
 
     tokenizer = load_tokenizer(EMBEDDED_TARGET)
     target = load_model(EMBEDDED_TARGET, dtype="float32", device="cpu")

@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdec import SamplingConfig, speculative_generate, vocab
 from specdec.models import load_model, save_model
-from train import publish as pub
-from train.model_card import CardInfo, render_card
+from specdec.train import publish as pub
+from specdec.train.model_card import CardInfo, render_card
 
 TARGET_NAME = "acme/tiny-target"
 

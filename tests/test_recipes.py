@@ -11,8 +11,8 @@ import yaml
 from conftest import save_tiny_world
 
 from specdec.config import SECTIONS, SHARED_KEYS, load_config, read_recipe
-from train import distill
-from train.distill import TrainConfig
+from specdec.train import distill
+from specdec.train.distill import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -32,7 +32,7 @@ def test_recipe_parses_and_train_section_loads(path):
     text = path.read_text()
     header = [line for line in text.splitlines() if line.startswith("#")]
     assert header and text.startswith("#"), "a recipe starts with a comment giving the exact commands"
-    assert any(f"--config recipes/{path.name}" in line and ("specdec train" in line or "-m train" in line)
+    assert any(f"--config recipes/{path.name}" in line and ("specdec train" in line or "-m specdec.train" in line)
                for line in header)
     raw = read_recipe(path)
     assert set(raw) <= set(SECTIONS) | set(SHARED_KEYS)
@@ -57,7 +57,7 @@ def test_embedded_recipes_use_the_shared_prompt_keywords():
 def test_recorded_features_are_the_ones_the_draft_reads(path):
     """A data section that records the target's states records the layers its EAGLE-3 draft reads (else training
     would compute them again, with a warning)."""
-    from train.data import DataConfig
+    from specdec.train.data import DataConfig
 
     raw, data = read_recipe(path), load_config(DataConfig, path, section="data")
     if data.record_features:

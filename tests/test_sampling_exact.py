@@ -10,8 +10,8 @@ import torch
 from conftest import tiny_llama
 
 import specdec.verify
-from eval import verify as verify_cmd
 from specdec import SamplingConfig, speculative_generate
+from specdec.eval import verify as verify_cmd
 from specdec.vocab import apply_reduced_head
 
 ALPHA = 1e-3

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from conftest import tiny_tokenizer
 
-from train import data as data_stage
-from train import self_prompts
-from train.data import DataConfig
+from specdec.train import data as data_stage
+from specdec.train import self_prompts
+from specdec.train.data import DataConfig
 
 
 def _cfg(ckpt: dict, out: Path, **kw) -> DataConfig:
@@ -84,8 +84,8 @@ def test_a_prompt_file_and_self_written_prompts_in_one_run(tiny_checkpoints, tmp
 
 
 def test_trainer_reads_several_data_folders(tiny_checkpoints, tmp_path):
-    from train.batches import load_data
-    from train.distill import TrainConfig
+    from specdec.train.batches import load_data
+    from specdec.train.distill import TrainConfig
 
     for seed, (name, source) in enumerate((("one", "self:5"), ("two", "self:4"))):
         data_stage.run(_cfg(tiny_checkpoints, tmp_path / name, prompts=source, seed=seed))

@@ -15,7 +15,7 @@ from conftest import tiny_llama, tiny_tokenizer
 from test_eagle3 import LAYERS, fitted_draft
 
 from specdec.models import save_model
-from train import publish as pub
+from specdec.train import publish as pub
 
 speculators_eagle3 = pytest.importorskip("speculators.models.eagle3", reason="speculators 0.9.0 is not installed "
                                          "(scripts/setup.sh installs it with --no-deps)")

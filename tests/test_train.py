@@ -1,5 +1,6 @@
 """The distillation trainer: schedule, batching, in-process runs of each teacher mode, the real entry points
-(`python -m train`, `accelerate launch --num_processes 2 --cpu -m train`), and kill-and-resume."""
+(`python -m specdec.train`, `accelerate launch --num_processes 2 --cpu -m specdec.train`), and
+kill-and-resume."""
 
 from __future__ import annotations
 
@@ -18,10 +19,10 @@ import yaml
 from conftest import save_tiny_world, tiny_llama
 
 from specdec.models import load_model
+from specdec.train import checkpoints, distill, plain_train
+from specdec.train.batches import Schedule, collate, epoch_batches
+from specdec.train.distill import TrainConfig
 from specdec.vocab import draft_to_target_map
-from train import checkpoints, distill, plain_train
-from train.batches import Schedule, collate, epoch_batches
-from train.distill import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -152,7 +153,7 @@ def test_max_minutes_stops_early_with_the_schedule_ending_there(workspace, tmp_p
     rate reaches zero at the step training stopped (the schedule was re-aimed, not cut)."""
     import functools
 
-    from train.budget import TimeBudget
+    from specdec.train.budget import TimeBudget
 
     ticks = iter(range(10**6))
     monkeypatch.setattr(distill, "TimeBudget", functools.partial(TimeBudget, clock=lambda: float(next(ticks))))
@@ -212,12 +213,12 @@ def test_training_moves_the_draft_towards_the_target(workspace, tmp_path):
 
     handler = logging.Handler()
     handler.emit = Grab().emit
-    logging.getLogger("train.distill").addHandler(handler)
-    logging.getLogger("train.distill").setLevel(logging.INFO)
+    logging.getLogger("specdec.train.distill").addHandler(handler)
+    logging.getLogger("specdec.train.distill").setLevel(logging.INFO)
     try:
         distill.run(cfg)
     finally:
-        logging.getLogger("train.distill").removeHandler(handler)
+        logging.getLogger("specdec.train.distill").removeHandler(handler)
     losses_ = [float(r.split("loss ")[1].split()[0]) for r in records if r.startswith("step ") and " loss " in r]
     assert len(losses_) == 12 and losses_[-1] < 0.7 * losses_[0]
 
@@ -275,7 +276,7 @@ def _consumed(out: Path, rank: int = 0) -> list[dict]:
 
 def test_python_dash_m_train_two_steps(workspace, tmp_path):
     recipe = _recipe(workspace, tmp_path / "r.yaml", tmp_path / "out", max_steps=5, eval_every=0, save_every=0)
-    proc = subprocess.run([sys.executable, "-m", "train", "--config", str(recipe), "max_steps=2",
+    proc = subprocess.run([sys.executable, "-m", "specdec.train", "--config", str(recipe), "max_steps=2",
                            "--learning-rate", "0.001"], cwd=ROOT, env=_env(), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -291,7 +292,8 @@ def test_accelerate_launch_two_cpu_processes(workspace, tmp_path):
     # with device=cpu gives two gloo processes (accelerate's MULTI_CPU), which is what this test needs.
     # The venv's own accelerate (the venv need not be on PATH).
     proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-                           "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "train", "--config", str(recipe)],
+                           "--mixed_precision", "no", "--dynamo_backend", "no",
+                           "-m", "specdec.train", "--config", str(recipe)],
                           cwd=ROOT, env=dict(_env(), CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True,
                           timeout=600)  # CPU only, on a GPU machine too: torchrun would give rank 1 a missing cuda:1
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -310,8 +312,8 @@ def test_kill_and_resume_continues_the_data_order(workspace, tmp_path):
     # Every checkpoint is kept so the kill can land at any moment after step-4 (the run trains ~100 steps/s).
     recipe = _recipe(workspace, tmp_path / "run.yaml", out, max_steps=100_000, save_every=2, eval_every=0,
                      eval_samples=0, keep_checkpoints=100_000)
-    proc = subprocess.Popen([sys.executable, "-m", "train", "--config", str(recipe)], cwd=ROOT, env=_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-m", "specdec.train", "--config", str(recipe)], cwd=ROOT,
+                            env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     try:
         marker = out / "checkpoints" / "step-4" / "trainer_state.json"
         deadline = time.monotonic() + 240
@@ -327,7 +329,7 @@ def test_kill_and_resume_continues_the_data_order(workspace, tmp_path):
     end = checkpoint_step + 6
 
     # The same run, continued; only max_steps shrinks so it ends (the data order does not depend on it).
-    done = subprocess.run([sys.executable, "-m", "train", "--config", str(recipe), "resume_from=latest",
+    done = subprocess.run([sys.executable, "-m", "specdec.train", "--config", str(recipe), "resume_from=latest",
                            f"max_steps={end}"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     logged = done.stdout + done.stderr

@@ -1,4 +1,5 @@
 """Training side of specdec: target-generated data, draft construction, distillation and publishing.
 
-Kept free of imports so that `python -m train.data` and `specdec data` load only what they use.
+Shipped as `specdec.train` (pyproject.toml's package-dir maps this folder there). Kept free of imports so that
+`python -m specdec.train.data` and `specdec data` load only what they use.
 """

@@ -1,12 +1,12 @@
-"""`python -m train` and `accelerate launch -m train`: the same code path as `specdec train`.
+"""`python -m specdec.train` and `accelerate launch -m specdec.train`: the same code path as `specdec train`.
 
-    accelerate launch --config_file recipes/accelerate/multi_gpu.yaml -m train --config recipes/X.yaml
+    accelerate launch --config_file recipes/accelerate/multi_gpu.yaml -m specdec.train --config recipes/X.yaml
 """
 
 import logging
 import sys
 
-from train.distill import main
+from specdec.train.distill import main
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -14,5 +14,5 @@ if __name__ == "__main__":
     try:
         sys.exit(main(sys.argv[1:]))
     except ValueError as err:  # boundary errors carry their fix; same behaviour as the specdec CLI
-        print(f"train: error: {err}", file=sys.stderr)
+        print(f"specdec.train: error: {err}", file=sys.stderr)
         sys.exit(2)

@@ -14,7 +14,7 @@ from typing import Any
 import datasets
 import torch
 
-from train.data import load_generated
+from specdec.train.data import load_generated
 
 
 def load_split(path: str | Path):

@@ -12,7 +12,7 @@ from accelerate.utils import DistributedType
 
 from specdec import vocab as vocab_lib
 from specdec.models import save_model
-from train.draft import merged
+from specdec.train.draft import merged
 
 
 def latest_checkpoint(root: Path) -> Path | None:

@@ -1,8 +1,8 @@
 """Target-generated distillation data: prompts -> the target's own completions (+ its top-n log-probs).
 
     specdec data --config recipes/smollm2-135m.yaml                      # one process
-    python -m train.data prompts=my.jsonl target=HuggingFaceTB/SmolLM2-1.7B-Instruct output_dir=runs/data
-    accelerate launch --multi_gpu --num_processes 4 -m train.data --config recipes/X.yaml   # shards split over processes
+    python -m specdec.train.data prompts=my.jsonl target=HuggingFaceTB/SmolLM2-1.7B-Instruct output_dir=runs/data
+    accelerate launch --multi_gpu --num_processes 4 -m specdec.train.data --config recipes/X.yaml  # shards split
 
 Prompts come from a local .jsonl/.json/.parquet/.csv file, a Hub dataset name, the embedded prompt set
 (`embedded:train`, `embedded:heldout`), or `self:N`: N requests the target writes itself (train/self_prompts.py).
@@ -77,10 +77,10 @@ from specdec.models import (
 from specdec.prompts import Prompt, encode_prompt, normalise_record, read_prompts
 from specdec.sampling import SamplingConfig
 from specdec.tokens import cut_at_eos, eos_ids, pad_id
+from specdec.train import self_prompts
+from specdec.train.budget import check_minutes
+from specdec.train.prompt_set import EMBEDDED_HELDOUT_PROMPTS, EMBEDDED_TRAIN_PROMPTS
 from specdec.vllm_env import find_vllm_python, vllm_python
-from train import self_prompts
-from train.budget import check_minutes
-from train.prompt_set import EMBEDDED_HELDOUT_PROMPTS, EMBEDDED_TRAIN_PROMPTS
 
 log = logging.getLogger(__name__)
 
@@ -986,7 +986,7 @@ options (recipe section `data:`; defaults in brackets):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`specdec data` / `python -m train.data` / `accelerate launch -m train.data`."""
+    """`specdec data` / `python -m specdec.train.data` / `accelerate launch -m specdec.train.data`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
         print(_HELP)
@@ -1007,5 +1007,5 @@ if __name__ == "__main__":
     try:
         sys.exit(main())
     except ValueError as err:
-        print(f"train.data: error: {err}", file=sys.stderr)
+        print(f"specdec.train.data: error: {err}", file=sys.stderr)
         sys.exit(2)

@@ -1,8 +1,8 @@
 """Distil a draft on target-generated data: the trainer, as one recipe object (accelerate; one process or many).
 
     specdec train --config recipes/smollm2-135m.yaml [key=value ...]
-    python -m train --config recipes/smollm2-135m.yaml [key=value ...]
-    accelerate launch --config_file recipes/accelerate/multi_gpu.yaml -m train --config recipes/X.yaml
+    python -m specdec.train --config recipes/smollm2-135m.yaml [key=value ...]
+    accelerate launch --config_file recipes/accelerate/multi_gpu.yaml -m specdec.train --config recipes/X.yaml
     specdec train --config recipes/X.yaml resume_from=latest        # continue a stopped run
 
 `Distiller.run` reads top to bottom: set up the data, the models and the optimiser, resume, then per optimizer
@@ -37,13 +37,13 @@ from tqdm.auto import tqdm
 from specdec.config import config_from_cli, help_text, to_dict
 from specdec.models import EMBEDDED_TARGET, cpu_has_native_bf16, load_model, load_tokenizer
 from specdec.tokens import tokenizer_pad_id
-from train import losses
-from train.batches import Schedule, collate, data_folders, load_data, sample_id
-from train.budget import CosineToEnd, TimeBudget, check_minutes
-from train.checkpoints import ConsumedLog, export_draft, latest_checkpoint, save_checkpoint
-from train.draft import DEFAULT_LORA_MODULES, DERIVED, EAGLE3, SCRATCH
-from train.eagle3_train import Eagle3Training
-from train.plain_train import PlainTraining
+from specdec.train import losses
+from specdec.train.batches import Schedule, collate, data_folders, load_data, sample_id
+from specdec.train.budget import CosineToEnd, TimeBudget, check_minutes
+from specdec.train.checkpoints import ConsumedLog, export_draft, latest_checkpoint, save_checkpoint
+from specdec.train.draft import DEFAULT_LORA_MODULES, DERIVED, EAGLE3, SCRATCH
+from specdec.train.eagle3_train import Eagle3Training
+from specdec.train.plain_train import PlainTraining
 
 log = logging.getLogger(__name__)
 
@@ -428,7 +428,7 @@ def run(cfg: TrainConfig) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    """`specdec train` / `python -m train` / `accelerate launch -m train`."""
+    """`specdec train` / `python -m specdec.train` / `accelerate launch -m specdec.train`."""
     if any(a in ("-h", "--help") for a in argv):
         print(help_text(TrainConfig, "specdec train --config recipes/X.yaml [key=value ...] [--key value ...]",
                         "train: options (recipe section `train:` plus the shared keys)"))

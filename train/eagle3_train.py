@@ -26,9 +26,9 @@ from specdec.compat import check_compatible
 from specdec.eagle3 import Eagle3Draft, HiddenStateRecorder
 from specdec.replay import tau_from_runs
 from specdec.tokens import tokenizer_pad_id
-from train import draft as draft_lib
-from train import losses
-from train.data import read_manifest, recorded_features
+from specdec.train import draft as draft_lib
+from specdec.train import losses
+from specdec.train.data import read_manifest, recorded_features
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ LEAK_WARNING = 0.01  # an expanded head putting more than this mass on dropped i
 
 @dataclasses.dataclass
 class CardInfo:
-    """What the card says about the exported checkpoint (collected by `train.publish`)."""
+    """What the card says about the exported checkpoint (collected by `specdec.train.publish`)."""
 
     name: str  # title: the Hub repo id, or the output folder's name
     model_ref: str  # how snippets load the draft: Hub repo id or local path

@@ -20,9 +20,9 @@ from specdec.kv import cache_kwarg
 from specdec.models import load_tokenizer
 from specdec.replay import simulated_tau
 from specdec.tokens import tokenizer_pad_id
+from specdec.train import draft as draft_lib
+from specdec.train import losses
 from specdec.vocab import draft_to_target_map
-from train import draft as draft_lib
-from train import losses
 
 log = logging.getLogger(__name__)
 

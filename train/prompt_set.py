@@ -1,7 +1,7 @@
 """The embedded prompt set: varied instruction prompts written for this project, generated from templates.
 
-    python -m train.prompt_set            # regenerate train/assets/prompts_{train,heldout}.jsonl (identical bytes)
-    python -m train.prompt_set --check    # exit 1 when the shipped files differ from what this code generates
+    python -m specdec.train.prompt_set          # regenerate train/assets/prompts_{train,heldout}.jsonl (same bytes)
+    python -m specdec.train.prompt_set --check  # exit 1 when the shipped files differ from what this code generates
 
 Thirteen kinds of task, each built from templates and topic lists below. Every kind's topics are split once
 (seeded) into train topics and held-out topics, so the held-out prompts are about things the train prompts
@@ -833,7 +833,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--check" in argv:
         stale = [str(p) for p, text in files.items() if not p.is_file() or p.read_text(encoding="utf-8") != text]
         if stale:
-            print(f"out of date: {', '.join(stale)}; run python -m train.prompt_set", file=sys.stderr)
+            print(f"out of date: {', '.join(stale)}; run python -m specdec.train.prompt_set", file=sys.stderr)
             return 1
         print("embedded prompt files are up to date")
         return 0

@@ -29,7 +29,7 @@ import specdec
 from specdec import models, vocab
 from specdec.compat import check_compatible
 from specdec.config import config_from_cli, read_recipe, split_cli
-from train.model_card import LEAK_WARNING, CardInfo, num_draft_tokens, render_card
+from specdec.train.model_card import LEAK_WARNING, CardInfo, num_draft_tokens, render_card
 
 log = logging.getLogger(__name__)
 
