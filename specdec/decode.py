@@ -26,9 +26,10 @@ import torch
 
 from specdec.drafter import make_drafter
 from specdec.fast_linear import fast_linears
-from specdec.kv import Batch, cache_kwarg, forward_cached, prefill, rollback
+from specdec.kv import Batch, cache_kwarg, forward_cached, forward_masked, keep_path, prefill, rollback
 from specdec.sampling import SamplingConfig, next_token, probabilities
 from specdec.tokens import pad_id
+from specdec.tree import Tree, TreeSpec, greedy_walk, grow, sampled_walk, verification_inputs
 from specdec.verify import greedy_verify, rejection_verify
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ class DecodeStats:
     position_accepted: list[int] = field(default_factory=list)  # [k] ... and accepted it
     fallback: bool = False
     fallback_reason: str | None = None
+    tree: str | None = None  # the tree shape (specdec/tree.py), None for a chain
+    tree_nodes: int = 0  # nodes verified over all rounds (a chain's: proposed)
 
     @property
     def acceptance_rate(self) -> float:
@@ -83,6 +86,8 @@ class DecodeStats:
             "draft_forwards": self.draft_forwards,
             "fallback": self.fallback,
             "fallback_reason": self.fallback_reason,
+            "tree": self.tree,
+            "tree_nodes": self.tree_nodes,
         }
 
 
@@ -94,6 +99,16 @@ class RoundTrace:
     num_accepted: torch.Tensor  # [B]
     next_token: torch.Tensor  # [B] correction (num_accepted < k) or bonus (== k)
     advanced: int  # T + 1 tokens appended to every row
+
+
+@dataclass
+class TreeTrace:
+    """One tree round (batch 1): the tree, the accepted path (node indices) and the target's own token."""
+
+    tree: Tree
+    path: list[int]
+    next_token: int  # correction (no child matched) or bonus (a leaf was reached)
+    advanced: int
 
 
 @dataclass
@@ -257,21 +272,43 @@ def speculative_generate(
     pad_token_id: int | None = None,
     timing: bool = False,
     trace: bool = False,
+    tree: TreeSpec | str | None = None,
 ) -> GenerateOutput:
-    """Speculative decoding, exact: greedy output equals `target_generate`'s; sampled output is distributed as p."""
-    k = num_draft_tokens
+    """Speculative decoding, exact: greedy output equals `target_generate`'s; sampled output is distributed as p.
+
+    `tree` (a `TreeSpec` or its text, e.g. "3x1x1" or "dyn8") proposes a draft tree each round instead of a
+    chain of `num_draft_tokens` (specdec/tree.py); one prompt at a time. A width-1 tree is the chain."""
+    spec = TreeSpec.parse(tree) if isinstance(tree, str) else tree
+    if spec is not None and spec.is_chain:
+        num_draft_tokens, spec = spec.max_depth, None
+    k = num_draft_tokens if spec is None else spec.max_depth
+    if spec is not None:
+        input_ids, attention_mask = _one_unpadded_prompt(input_ids, attention_mask, spec)
     _check_inputs(target, input_ids, attention_mask, max_new_tokens, k + 1, draft, k)
     batch = Batch(input_ids, attention_mask, max_new_tokens, k + 1, eos_token_id, pad_id(pad_token_id, eos_token_id))
-    stats = DecodeStats(num_draft_tokens=k, position_tried=[0] * k, position_accepted=[0] * k)
+    stats = DecodeStats(num_draft_tokens=k, position_tried=[0] * k, position_accepted=[0] * k,
+                        tree=None if spec is None else str(spec))
     clock = _Clock(timing, input_ids.device)
     try:
         drafter = make_drafter(draft, target, sampling)  # before the prefill: it may read the target's forwards
     except Exception as err:  # noqa: BLE001 - any draft failure means target-only, never a failed request
         return _target_only_after(err, target, batch, sampling, generator, stats, clock)
     try:
+        if spec is not None:
+            return _speculate_tree(target, drafter, batch, spec, sampling, generator, stats, clock, trace)
         return _speculate(target, drafter, batch, k, sampling, generator, stats, clock, trace)
     finally:
         drafter.close()
+
+
+def _one_unpadded_prompt(input_ids, attention_mask, spec: TreeSpec):
+    if input_ids.dim() == 2 and input_ids.shape[0] > 1:
+        raise ValueError(f"tree decoding (tree={spec}) takes one prompt at a time, got a batch of "
+                         f"{input_ids.shape[0]}: loop over the prompts, or decode the batch with a chain "
+                         f"(num_draft_tokens=k, no tree)")
+    if attention_mask is not None and input_ids.dim() == 2 and attention_mask.shape == input_ids.shape:
+        input_ids, attention_mask = input_ids[:, attention_mask[0].bool()], None  # one row: drop its padding
+    return input_ids, attention_mask
 
 
 def _speculate(target, drafter, batch, k, sampling, generator, stats, clock, trace) -> GenerateOutput:
@@ -329,10 +366,57 @@ def _speculate(target, drafter, batch, k, sampling, generator, stats, clock, tra
     return GenerateOutput(batch.sequences(), stats, batch.prompt_length, rounds, clock.marks)
 
 
-def _count_round(stats: DecodeStats, n_active: list[int], k: int) -> None:
+def _speculate_tree(target, drafter, batch, spec, sampling, generator, stats, clock, trace) -> GenerateOutput:
+    """Tree rounds (batch 1): grow the tree, verify it in one target forward, keep the accepted path's KV."""
+    kwarg, rounds, device = cache_kwarg(target), [], batch.seq.device
+    t_cache, logits = prefill(target, batch, kwarg)
+    stats.target_forwards += 1
+    clock.mark(batch.append(next_token(logits, sampling, generator)[:, None]))
+    first_tokens = batch.live_appended.clone()
+    vocab = target.get_output_embeddings().out_features
+    try:
+        drafter.start(batch)
+    except Exception as err:  # noqa: BLE001
+        return _fall_back(err, target, t_cache, batch, sampling, generator, stats, clock, kwarg, rounds)
+
+    while not batch.done():
+        length = batch.length
+        depth = max(1, min(spec.max_depth, batch.max_length - length - 1))  # no proposals past max_new_tokens
+        try:
+            tree = grow(drafter, batch, spec, depth, stats)
+            if min(tree.tokens) < 0 or max(tree.tokens) >= vocab:
+                raise RuntimeError("draft proposed token ids outside the target's vocabulary")
+        except Exception as err:  # noqa: BLE001
+            stats.emitted = int(batch.live_appended - first_tokens)
+            return _fall_back(err, target, t_cache, batch, sampling, generator, stats, clock, kwarg, rounds)
+        ids, positions, allowed = verification_inputs(tree, int(batch.seq[0, length - 1]),
+                                                      length - 1 - int(batch.left_pad[0]), length - 1, device)
+        p_logits = forward_masked(target, t_cache, ids, positions, allowed, kwarg)[0]  # [1+N, V]
+        stats.target_forwards += 1
+        if sampling.greedy:
+            path, token = greedy_walk(tree, p_logits)
+        else:
+            path, token = sampled_walk(tree, probabilities(p_logits, sampling), generator)
+        drafter.observe(length - 1, keep=[0, *(1 + i for i in path)])
+        keep_path(t_cache, length, [length + i for i in path])
+        appended = batch.append(torch.tensor([[*(tree.tokens[i] for i in path), token]], device=device))
+        clock.mark(appended)
+        rollback(t_cache, batch.length - 1)  # a cut at max_new_tokens may have appended less than the path
+        drafter.tree_rollback()
+        _count_round(stats, [len(path)], depth, nodes=len(tree))
+        if trace:
+            rounds.append(TreeTrace(tree, path, token, appended))
+
+    stats.emitted = int(batch.live_appended - first_tokens)
+    return GenerateOutput(batch.sequences(), stats, batch.prompt_length, rounds, clock.marks)
+
+
+def _count_round(stats: DecodeStats, n_active: list[int], k: int, nodes: int | None = None) -> None:
+    """A round's counts; a tree round counts its depth as k (acceptance = accepted / depth) and its `nodes`."""
     stats.rounds += 1
     stats.row_rounds += len(n_active)
     stats.proposed += k * len(n_active)
+    stats.tree_nodes += k * len(n_active) if nodes is None else nodes
     stats.accepted += sum(n_active)
     for n in n_active:
         stats.bonus += n == k

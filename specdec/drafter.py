@@ -7,6 +7,9 @@
     drafter.rollback(batch)                            # after verification: keep what the target accepted
     drafter.close()
 
+A round of a draft tree (specdec/tree.py) uses `tree_root`, `tree_step`, `tree_cached` and `tree_rollback` instead
+of `propose` and `rollback`; `observe(position, keep)` then gets the forward's rows that became the sequence.
+
 A plain draft (any causal LM over the target's tokenizer) keeps its own KV cache over the token buffer. A draft
 class that needs more (an EAGLE-3 draft reads the target's hidden states) provides `make_drafter(target, batch,
 sampling)` and returns its own subclass; the decode loop never asks which kind it holds.
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.kv import Batch, cache_kwarg, forward_cached, prefill, rollback
+from specdec.kv import Batch, cache_kwarg, forward_cached, forward_masked, prefill, rollback
 from specdec.sampling import SamplingConfig, probabilities, sample_from
 from specdec.vocab import draft_to_target_map
 
@@ -37,8 +40,9 @@ class Drafter:
     def start(self, batch: Batch) -> None:
         """Called once after the target's prefill."""
 
-    def observe(self, position: int) -> None:
-        """Called after each target forward, which computed positions `position` onwards."""
+    def observe(self, position: int, keep: list[int] | None = None) -> None:
+        """Called after each target forward, which computed positions `position` onwards (in a tree round: its
+        rows `keep`, the root and the accepted path)."""
 
     def rollback(self, batch: Batch) -> None:
         """Called after verification: drop what was computed from rejected proposals."""
@@ -53,6 +57,31 @@ class Drafter:
         """One draft forward of one new position, as a round's first proposal after a rejection, then undone:
         what `specdec eval` times as the draft's per-token cost. Needs one token appended after the prompt."""
         raise NotImplementedError
+
+    # ---- draft trees (specdec/tree.py: `grow` calls these)
+    def tree_root(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs [V_draft] of the token after the last emitted one, and the state [1, ...] its children read."""
+        raise NotImplementedError(f"{type(self.model).__name__} drafts cannot propose trees")
+
+    def tree_step(self, tokens, parent_states, depths: list[int], allowed: torch.Tensor):
+        """Feed m tree nodes (target ids [m], at `depths` below the root) attending as `allowed` [m, cached + m]
+        says: their log-probs [m, V_draft] and states [m, ...] (None when the draft has none)."""
+        raise NotImplementedError(f"{type(self.model).__name__} drafts cannot propose trees")
+
+    def tree_cached(self) -> int:
+        """Positions in the draft's cache (the mask columns before the next tree step)."""
+        return self.cache.get_seq_length()
+
+    def tree_rollback(self) -> None:
+        """After a tree round: drop the tree from the draft's cache (the accepted path is read next round)."""
+        raise NotImplementedError
+
+    def to_target_ids(self, local: torch.Tensor) -> torch.Tensor:
+        return local if self.id_map is None else self.id_map[local]
+
+    def log_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft log-probs over its head's rows (raw logits: the tree's ranking, whatever the sampling).  [..., V_d]"""
+        return torch.log_softmax(logits[..., : self.rows].float(), dim=-1)
 
     def pick(self, logits: torch.Tensor, batch: Batch, generator, qs: list) -> torch.Tensor:
         """The draft's token (target ids) from its last logits [B, n, V_draft]; appends q when sampling.  [B]"""
@@ -91,6 +120,21 @@ class PlainDrafter(Drafter):
         start = self.cache.get_seq_length()
         forward_cached(self.model, self.cache, batch, start + 1, 1, self.kwarg)
         rollback(self.cache, start)
+
+    def tree_root(self, batch: Batch):
+        logits = forward_cached(self.model, self.cache, batch, batch.length, 1, self.kwarg)
+        self.tree_base = self.cache.get_seq_length()
+        self.root_position = batch.length - 1 - int(batch.left_pad[0])
+        return self.log_probs(logits[0, -1]), None
+
+    def tree_step(self, tokens, parent_states, depths, allowed):
+        device = next(self.model.parameters()).device
+        positions = torch.tensor(depths, device=device)[None] + self.root_position
+        logits = forward_masked(self.model, self.cache, tokens[None].to(device), positions, allowed, self.kwarg)
+        return self.log_probs(logits[0]), None
+
+    def tree_rollback(self) -> None:
+        rollback(self.cache, self.tree_base)
 
     def propose(self, batch: Batch, k: int, generator, stats):
         tokens, qs = [], []

@@ -216,10 +216,12 @@ class Eagle3Draft(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
                 from_target: bool = True, cache: DynamicCache | None = None,
-                attention_mask: torch.Tensor | None = None, logits_to_keep: int = 0, ttt_steps: int = 0):
+                attention_mask: torch.Tensor | None = None, logits_to_keep: int = 0, ttt_steps: int = 0,
+                tree_mask: torch.Tensor | None = None):
         """One cached step: (pre-norm outputs [B, n, H], logits [B, n or logits_to_keep, draft_vocab]).
 
-        `attention_mask` [B, past + n] marks real (1) and padding (0) positions of the cache and the new ones.
+        `attention_mask` [B, past + n] marks real (1) and padding (0) positions of the cache and the new ones;
+        `tree_mask` [n, past + n] (True = may attend) replaces causal attention for a draft tree's nodes.
         With `ttt_steps` > 0 it returns `unrolled(input_ids, hidden, attention_mask, ttt_steps)` instead: training
         calls it through forward so that a DDP wrapper synchronises the gradients."""
         if ttt_steps:
@@ -234,7 +236,9 @@ class Eagle3Draft(nn.Module):
         n, total = q.shape[2], k.shape[2]
         allowed = torch.arange(total, device=q.device)[None, :] <= past + torch.arange(n, device=q.device)[:, None]
         allowed = allowed[None, None]  # [1, 1, n, total]
-        if attention_mask is not None:
+        if tree_mask is not None:
+            allowed = tree_mask.to(q.device)[None, None]
+        elif attention_mask is not None:
             # A padding query may have no real key before it: letting it see itself keeps its row finite.
             itself = torch.arange(total, device=q.device)[None, :] == past + torch.arange(n, device=q.device)[:, None]
             allowed = (allowed & attention_mask[:, None, None, :total].bool()) | itself[None, None]
@@ -583,8 +587,9 @@ class Eagle3Drafter(Drafter):
     def start(self, batch: Batch) -> None:
         self.window = _HiddenWindow(self.recorder.latest)
 
-    def observe(self, position: int) -> None:
-        self.window.write(position, self.recorder.latest)
+    def observe(self, position: int, keep: list[int] | None = None) -> None:
+        states = self.recorder.latest
+        self.window.write(position, states if keep is None else states[:, keep])
 
     def rollback(self, batch: Batch) -> None:
         rollback(self.cache, self.round_length - 1)
@@ -599,6 +604,25 @@ class Eagle3Drafter(Drafter):
         self.model(batch.seq[:, start + 1 : start + 2], states, inputs["position_ids"], True, self.cache,
                    inputs["attention_mask"], logits_to_keep=1)
         rollback(self.cache, start)
+
+    def tree_root(self, batch: Batch):
+        length = self.round_length = batch.length
+        start = self.cache.get_seq_length()
+        inputs = batch.model_inputs(start, length - 1)
+        out, logits = self.model(batch.seq[:, start + 1 : length], self.window.read(start, length - 1),
+                                 inputs["position_ids"], True, self.cache, inputs["attention_mask"], logits_to_keep=1)
+        return self.log_probs(logits[0, -1]), out[0, -1:]
+
+    def tree_step(self, tokens, parent_states, depths, allowed):
+        # A node at depth d is fed at draft position L - 2 + d (a round's j-th proposal is fed at L - 2 + j).
+        device = self.model.device
+        positions = torch.tensor(depths, device=device)[None] + self.round_length - 2
+        out, logits = self.model(tokens[None].to(device), parent_states[None], positions, False, self.cache,
+                                 tree_mask=allowed)
+        return self.log_probs(logits[0]), out[0]
+
+    def tree_rollback(self) -> None:
+        rollback(self.cache, self.round_length - 1)
 
     def propose(self, batch: Batch, k: int, generator, stats):
         length = self.round_length = batch.length

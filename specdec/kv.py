@@ -1,7 +1,8 @@
 """The decoders' shared state: the running token buffer (`Batch`) and the cached forwards over it.
 
 Every KV cache is a prefix of the one token buffer `Batch.seq`; `rollback` is the only place that discards KV
-entries (rejected proposals), for the target and every kind of draft alike.
+entries (rejected proposals), for the target and every kind of draft alike. A tree round (specdec/tree.py) caches
+the whole tree, then `keep_path` moves the accepted path's entries next to the prefix and rolls back the rest.
 """
 
 from __future__ import annotations
@@ -94,11 +95,34 @@ def forward_cached(model, cache: DynamicCache, batch: Batch, stop: int, logits_t
     return out.logits
 
 
+def forward_masked(model, cache: DynamicCache, input_ids, position_ids, allowed: torch.Tensor, kwarg: str):
+    """Feed [1, n] tokens after the cache with an explicit mask `allowed` [n, cached + n] (True = may attend),
+    passed as the additive 4D mask (0 or the dtype's minimum) that eager and sdpa attention read as given.
+    -> logits [1, n, V]"""
+    dtype = next(model.parameters()).dtype
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=input_ids.device)
+    mask = mask.masked_fill(~allowed.to(input_ids.device), torch.finfo(dtype).min)
+    out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask[None, None],
+                **{kwarg: cache}, use_cache=True)
+    return out.logits
+
+
 def prefill(model, batch: Batch, kwarg: str) -> tuple[DynamicCache, torch.Tensor]:
     """Run the prompt through a causal LM; returns its cache and the last position's logits [B, V]."""
     cache = DynamicCache(config=model.config)
     logits = forward_cached(model, cache, batch, batch.prompt_length, 1, kwarg)
     return cache, logits[:, -1]
+
+
+def keep_path(cache: DynamicCache, start: int, slots: list[int]) -> None:
+    """Keep positions < start, then the entries at `slots` (ascending, >= start) moved to start, start + 1, ...:
+    a tree round's accepted path. The rest goes through `rollback`."""
+    if slots and slots != list(range(start, start + len(slots))):
+        for layer in cache.layers:
+            index = torch.tensor(slots, device=layer.keys.device)
+            layer.keys[:, :, start : start + len(slots)] = layer.keys.index_select(2, index)
+            layer.values[:, :, start : start + len(slots)] = layer.values.index_select(2, index)
+    rollback(cache, start + len(slots))
 
 
 def rollback(cache: DynamicCache, length: int) -> None:
