@@ -40,6 +40,7 @@ from transformers.models.llama.modeling_llama import (
 
 from specdec.drafter import Drafter
 from specdec.kv import Batch, rollback
+from specdec.replay import RANK_CAP, true_token_ranks
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # the name vLLM and SGLang both resolve to their EAGLE-3 Llama draft
 WEIGHTS_FILE = "model.safetensors"
@@ -315,24 +316,26 @@ class Eagle3Draft(nn.Module):
             return recorder.latest
 
     @torch.no_grad()
-    def replay_runs(self, input_ids, attention_mask, loss_mask, steps: int, states) -> list[list[int]]:
-        """For each scored position p (p predicts completion token p + 1) of each row: how many proposals in a row
-        the round whose first proposal is token p + 1 would have accepted, unrolled `steps` deep (greedy data)."""
+    def replay_ranks(self, input_ids, attention_mask, loss_mask, steps: int, states) -> list[list[list[int]]]:
+        """For each scored position p (p predicts completion token p + 1) of each row: the ranks of tokens
+        p + 1 .. p + steps among this draft's proposals 1..steps of the round whose first proposal is token p + 1,
+        unrolled exactly as the decoder proposes (specdec/replay.py: replay_ranks)."""
         outs = self.unrolled(input_ids, states, attention_mask, steps)
-        preds = torch.stack([self.draft_to_target[self.logits(o).argmax(-1)] for o in outs]).tolist()  # [j][B][n]
-        runs = []
-        for b, (scored, x) in enumerate(zip(loss_mask.tolist(), input_ids.tolist())):
+        # step j's output at draft position t proposes token t + 2 (t + 2 - j is the round's last true position)
+        ranks = torch.stack([true_token_ranks(self.logits(o)[:, :-1], input_ids[:, 2:], self.draft_to_target)
+                             for o in outs]).tolist()  # [j][B][n - 1]
+        out = []
+        for b, scored in enumerate(loss_mask.tolist()):
             row = []
             for p in (p for p, s in enumerate(scored) if s):
-                run = 0  # the round's j-th proposal is token p + j, proposed at draft position p + j - 2
-                for j in range(1, steps + 1):
-                    t, token = p - 1 + (j - 1), p + j
-                    if t < 0 or token >= len(x) or not scored[token - 1] or preds[j - 1][b][t] != x[token]:
-                        break
-                    run += 1
-                row.append(run)
-            runs.append(row)
-        return runs
+                position = []
+                for j in range(1, steps + 1):  # the round's j-th proposal is token p + j, at draft position p + j - 2
+                    t, token = p + j - 2, p + j
+                    inside = t >= 0 and token < len(scored) and scored[token - 1]
+                    position.append(ranks[j - 1][b][t] if inside else RANK_CAP)
+                row.append(position)
+            out.append(row)
+        return out
 
     # ---- construction, saving and loading
     @classmethod

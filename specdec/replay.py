@@ -12,6 +12,12 @@ agreements in agree[i : i + k], emits a + 1 tokens (the correction, or the bonus
 end of the completion) and the next round starts at i + a + 1. tau(k) = tokens emitted / rounds over all
 held-out completions, the same "mean accepted tokens" the decoder reports (DESIGN.md).
 
+Draft trees (specdec/tree.py) generalise the test from "the draft's first choice" to "within the draft's top w_j at
+the round's j-th position": `replay_ranks` gives, for each round start and j, the rank of the target's token among
+the draft's j-th proposals (teacher-forced: the accepted path is the true prefix), and a static tree of widths
+w_1..w_D accepts the leading j with rank < w_j (`runs_from_ranks`); a chain is widths 1..1. `top_n_agreement`
+summarises the ranks per position.
+
 For completions sampled at temperature > 0 this is an estimate (the greedy path differs from the data).
 For sampling-mode decoding the per-position alpha applies instead: `tau_from_alpha` gives the i.i.d.
 closed form (1 - alpha^(k+1)) / (1 - alpha) of Leviathan et al. (2023).
@@ -107,23 +113,78 @@ def target_states(draft, target, input_ids: torch.Tensor, attention_mask: torch.
     return None if read is None else read(target, input_ids, attention_mask)
 
 
+RANK_CAP = 8  # ranks are kept up to the top 8; RANK_CAP means "not in the draft's top 8" (or not in its vocabulary)
+
+
+def true_token_ranks(logits: torch.Tensor, tokens: torch.Tensor, id_map: torch.Tensor | None,
+                     cap: int = RANK_CAP) -> torch.Tensor:
+    """Rank of each target token among a draft's logits (0 = its first choice), `cap` beyond the top cap - 1 or
+    outside a reduced vocabulary (`id_map`: draft row -> target id).  logits [..., V_draft], tokens [...] -> [...]"""
+    if id_map is None:
+        local, inside = tokens.clamp(max=logits.shape[-1] - 1), tokens < logits.shape[-1]
+    else:
+        id_map = id_map.to(tokens.device)
+        inverse = torch.full((int(max(id_map.max(), tokens.max())) + 1,), -1, dtype=torch.long, device=tokens.device)
+        inverse[id_map] = torch.arange(id_map.numel(), device=tokens.device)
+        local = inverse[tokens]
+        inside = local >= 0
+    true_logit = logits.gather(-1, local.clamp(min=0)[..., None])
+    rank = (logits > true_logit).sum(-1).clamp(max=cap)
+    return torch.where(inside, rank, torch.full_like(rank, cap))
+
+
 @torch.no_grad()
-def replay_runs(draft, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
-                steps: int, states: torch.Tensor | None = None) -> list[list[int]]:
-    """Per row, for each scored position i (loss_mask: logits position i predicts a completion token): how many
-    proposals in a row (up to `steps`) a greedy round whose first proposal is token i + 1 would have accepted, the
-    data being the target's greedy output. A draft class with its own scheme provides `replay_runs`."""
-    own = getattr(draft, "replay_runs", None)
+def replay_ranks(draft, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
+                 steps: int, states: torch.Tensor | None = None) -> list[list[list[int]]]:
+    """Per row, for each scored position i (loss_mask: logits position i predicts a completion token): the ranks
+    [r_1..r_steps] of the target's tokens i + 1 .. i + steps among the draft's proposals at positions 1..steps of a
+    round whose first proposal is token i + 1, the round having accepted the true tokens before (RANK_CAP past the
+    completion's end). A draft class with its own scheme provides `replay_ranks`."""
+    own = getattr(draft, "replay_ranks", None)
     if own is not None:
         return own(input_ids, attention_mask, loss_mask, steps, states)
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     logits = draft(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits
-    guess = logits.argmax(-1)  # [B, S]
-    id_map = getattr(draft, "draft_to_target", None)
-    guess = guess if id_map is None else id_map.to(guess.device)[guess]
-    agree = guess[:, :-1] == input_ids[:, 1:]  # logits position t proposes token t + 1
+    # logits position t proposes token t + 1; a plain draft's j-th proposal of a round is teacher-forced too
+    rank = true_token_ranks(logits[:, :-1], input_ids[:, 1:], getattr(draft, "draft_to_target", None))
+    out = []
+    for row_rank, row_scored in zip(rank.tolist(), loss_mask[:, :-1].tolist()):
+        scored = [r for r, s in zip(row_rank, row_scored) if s]
+        padded = scored + [RANK_CAP] * steps
+        out.append([padded[i : i + steps] for i in range(len(scored))])
+    return out
+
+
+def runs_from_ranks(ranks: Iterable[Sequence[Sequence[int]]], widths: Sequence[int]) -> list[list[int]]:
+    """Accepted run per round start of a static tree of `widths`: the leading j with rank_j < widths[j]."""
     runs = []
-    for row_agree, row_scored in zip(agree.tolist(), loss_mask[:, :-1].tolist()):
-        scored = [a for a, s in zip(row_agree, row_scored) if s]
-        runs.append([min(r, steps) for r in runs_from_agreement(scored)])
+    for row in ranks:
+        row_runs = []
+        for position in row:
+            run = 0
+            while run < len(widths) and run < len(position) and position[run] < widths[run]:
+                run += 1
+            row_runs.append(run)
+        runs.append(row_runs)
     return runs
+
+
+def top_n_agreement(ranks: Iterable[Sequence[Sequence[int]]], ns: Sequence[int] = (1, 2, 4, 8)) -> list[dict]:
+    """Per round position j: the share of round starts (whose j-th token lies in the completion) where the target's
+    token is within the draft's top n, for each n: what a tree of width n at that depth would find."""
+    flat = [position for row in ranks for position in row]
+    steps = max((len(p) for p in flat), default=0)
+    out = []
+    for j in range(steps):
+        # the last j round starts have no j-th completion token: RANK_CAP there is the end, not a miss
+        reach = flat if j == 0 else [p for row in ranks for p in row[: len(row) - j]]
+        out.append({str(n): (sum(p[j] < n for p in reach) / len(reach)) if reach else 0.0 for n in ns})
+    return out
+
+
+@torch.no_grad()
+def replay_runs(draft, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
+                steps: int, states: torch.Tensor | None = None) -> list[list[int]]:
+    """Per row, for each scored position i: how many proposals in a row (up to `steps`) a greedy round whose
+    first proposal is token i + 1 would have accepted, the data being the target's greedy output."""
+    return runs_from_ranks(replay_ranks(draft, input_ids, attention_mask, loss_mask, steps, states), [1] * steps)

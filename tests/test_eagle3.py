@@ -12,7 +12,7 @@ from conftest import ragged_prompts, tiny_llama
 from specdec import speculative_generate, target_generate
 from specdec.eagle3 import Eagle3Draft, Eagle3Drafter, HiddenStateRecorder, _HiddenWindow, default_layer_ids
 from specdec.models import load_model
-from specdec.replay import replay_runs, target_states
+from specdec.replay import replay_ranks, replay_runs, runs_from_ranks, target_states
 
 VOCAB = 128
 EOS = 2
@@ -227,6 +227,29 @@ def test_replayed_runs_match_the_decoders_rounds(target4, good_draft):
         i += r.advanced
         length += r.advanced
     assert max(int(r.num_accepted[0]) for r in out.trace) >= 3 and min(runs) == 0
+
+
+def test_replayed_ranks_predict_the_tree_decoders_rounds(target4, good_draft):
+    """The same exactness for a static tree: the ranks replayed on the target's greedy output give every tree
+    round's accepted depth (the true token within the top w_j at each depth j)."""
+    prompts = FITTED_PROMPTS()[:1]
+    widths, new = [3, 2, 1, 1], 56
+    out = speculative_generate(target4, good_draft, prompts, max_new_tokens=new, trace=True, tree="3x2x1x1")
+    seq = target_generate(target4, prompts, max_new_tokens=new).sequences
+    assert torch.equal(out.sequences, seq)
+    mask = torch.ones_like(seq)
+    loss_mask = torch.zeros_like(seq, dtype=torch.bool)
+    loss_mask[0, prompts.shape[1] - 1: seq.shape[1] - 1] = True
+    ranks = replay_ranks(good_draft, seq, mask, loss_mask, len(widths), target_states(good_draft, target4, seq, mask))
+    runs = runs_from_ranks(ranks, widths)[0]
+    i, length = 1, prompts.shape[1] + 1
+    for r in out.trace:
+        depth = max(1, min(len(widths), prompts.shape[1] + new - length - 1))
+        assert len(r.path) == min(runs[i], depth), f"round at completion token {i}"
+        i += r.advanced
+        length += r.advanced
+    chain = runs_from_ranks(ranks, [1] * len(widths))[0]
+    assert sum(runs) > sum(chain)  # the wider first levels find tokens the chain misses
 
 
 def test_save_load_round_trip_is_exact(target4, tmp_path):

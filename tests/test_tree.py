@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from transformers import DynamicCache
 
 import specdec.tree
-from specdec import SamplingConfig, speculative_generate, target_generate
+from specdec import SamplingConfig, replay, speculative_generate, target_generate
 from specdec.eagle3 import Eagle3Draft
 from specdec.eval import verify as verify_cmd
 from specdec.kv import cache_kwarg, forward_masked, keep_path
@@ -244,3 +244,52 @@ def test_sampled_eagle3_tree_is_distributed_as_the_target(small_pair):
     counts = _joint_counts(target, draft, "2x2", SETTINGS[1], calls=3_000, seed=9)
     exact = verify_cmd.exact_joint(target, torch.tensor(PROMPT), M, SETTINGS[1])
     assert _fit(counts, exact) > ALPHA
+
+
+# ---- teacher-forced replay of trees (specdec/replay.py)
+
+
+@pytest.fixture(scope="module")
+def near(target):
+    """A noisy copy of the target: right often, not always, and often second or third when not first."""
+    model = tiny_llama(seed=0)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(1 + 0.3 * torch.randn(param.shape, generator=g, dtype=param.dtype))
+    return model
+
+
+@pytest.mark.parametrize("widths", [[3, 1, 1], [4], [2, 2, 2]])
+def test_replayed_ranks_predict_a_plain_drafts_tree_rounds(target, near, widths):
+    draft, prompt, new = near, torch.tensor([[3, 4, 5, 6, 7, 8]]), 40
+    tree = "x".join(map(str, widths))
+    out = speculative_generate(target, draft, prompt, max_new_tokens=new, trace=True, tree=tree)
+    seq = target_generate(target, prompt, max_new_tokens=new).sequences
+    mask = torch.ones_like(seq)
+    loss_mask = torch.zeros_like(seq, dtype=torch.bool)
+    loss_mask[0, prompt.shape[1] - 1: seq.shape[1] - 1] = True
+    runs = replay.runs_from_ranks(replay.replay_ranks(draft, seq, mask, loss_mask, len(widths)), widths)[0]
+    i, length = 1, prompt.shape[1] + 1
+    for r in out.trace:
+        depth = max(1, min(len(widths), prompt.shape[1] + new - length - 1))
+        assert len(r.path) == min(runs[i], depth)
+        i += r.advanced
+        length += r.advanced
+    assert torch.equal(out.sequences, seq)
+    chain = replay.runs_from_ranks(replay.replay_ranks(draft, seq, mask, loss_mask, len(widths)), [1] * len(widths))
+    assert sum(runs) > sum(chain[0]) > 0  # the replay sees what the tree finds beyond the first choice
+
+
+def test_ranks_and_top_n_agreement_by_hand():
+    logits = torch.tensor([[0.1, 0.9, 0.5, 0.3]])
+    assert replay.true_token_ranks(logits, torch.tensor([1]), None).tolist() == [0]
+    assert replay.true_token_ranks(logits, torch.tensor([3]), None).tolist() == [2]
+    # a reduced vocabulary: rows are target ids 10, 11, 12, 13; id 5 is outside it
+    ranks = replay.true_token_ranks(logits.expand(2, 4), torch.tensor([12, 5]), torch.tensor([10, 11, 12, 13]))
+    assert ranks.tolist() == [1, replay.RANK_CAP]
+    ranks = [[[0, 1], [2, 0], [0, replay.RANK_CAP]]]  # the last start has no second completion token
+    top = replay.top_n_agreement(ranks, ns=(1, 2, 4))
+    assert top[0] == {"1": 2 / 3, "2": 2 / 3, "4": 1.0}
+    assert top[1] == {"1": 0.5, "2": 1.0, "4": 1.0}
+    assert replay.runs_from_ranks(ranks, [3, 1]) == [[1, 2, 1]]

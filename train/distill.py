@@ -319,14 +319,17 @@ class Distiller:
         if self.main:
             # agreement: the first proposal's, at every completion position; tau(1) - 1: the acceptance of k = 1
             # rounds, which start only after a correction or bonus (fewer easy positions), so it reads lower.
-            log.info("step %d held-out: alpha %.3f  greedy agreement %.3f  tau(k=%d) %.3f  tau %s", step,
-                     metrics["alpha"], metrics["agreement"], cfg.best_k, tau,
-                     {k: round(v, 3) for k, v in metrics["tau"].items()})
+            top_n = metrics.get("top_n_agreement") or [{}]
+            log.info("step %d held-out: alpha %.3f  greedy agreement %.3f  tau(k=%d) %.3f  tau %s  top-n at the "
+                     "first position %s", step, metrics["alpha"], metrics["agreement"], cfg.best_k, tau,
+                     {k: round(v, 3) for k, v in metrics["tau"].items()},
+                     {n: round(v, 3) for n, v in top_n[0].items()})
             with (self.out / "eval.jsonl").open("a") as f:
                 f.write(json.dumps({"step": step, **metrics}) + "\n")
             if self.tracker is not None:
                 self.tracker.log({"eval/alpha": metrics["alpha"], "eval/agreement": metrics["agreement"],
-                                  **{f"eval/tau@{k}": v for k, v in metrics["tau"].items()}}, step=step)
+                                  **{f"eval/tau@{k}": v for k, v in metrics["tau"].items()},
+                                  **{f"eval/top{n}@1": v for n, v in top_n[0].items()}}, step=step)
         if step > 0 and tau > self.best["tau"]:
             self.best.update(tau=tau, step=step, metrics=metrics)
             export_draft(self.accelerator, self.model, self.tokenizer, self.out / "best")

@@ -24,7 +24,7 @@ import torch
 
 from specdec.compat import check_compatible
 from specdec.eagle3 import Eagle3Draft, HiddenStateRecorder
-from specdec.replay import tau_from_runs
+from specdec.replay import runs_from_ranks, tau_from_runs, top_n_agreement
 from specdec.tokens import tokenizer_pad_id
 from specdec.train import draft as draft_lib
 from specdec.train import losses
@@ -143,25 +143,27 @@ def eagle3_loss(cfg, draft, batch: dict, states: torch.Tensor, target_head, inv_
 
 @torch.no_grad()
 def evaluate(draft, states_of, chunks, ks: Sequence[int]) -> dict[str, Any]:
-    """alpha (a lower bound from the stored top-n), greedy agreement at the first proposal and tau(k) of an
+    """alpha (a lower bound from the stored top-n), greedy agreement at the first proposal, top-n agreement per
+    round position (what a tree would find) and tau(k) of an
     EAGLE-3 draft, unrolled max(ks) proposals deep exactly as the decoder proposes. `chunks` yields (sample_ids,
     collated batch)."""
     hidden = draft.config.target_hidden_size
-    runs, alphas = [], []
+    ranks, alphas = [], []
     for sample_ids, batch in chunks:
         states = states_of(sample_ids, batch)[..., hidden:]
-        runs += draft.replay_runs(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], max(ks), states)
+        ranks += draft.replay_ranks(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], max(ks), states)
         if "top_ids" in batch:
             first = draft.unrolled(batch["input_ids"], states, batch["attention_mask"], 1)[0]
             mask = batch["loss_mask"][:, 1:].bool()
             alphas.append(losses.acceptance_alpha_topn(draft.logits(first[mask]).float(), batch["top_ids"][:, 1:][mask],
                                                        batch["top_logprobs"][:, 1:][mask], None,
                                                        draft.draft_to_target).cpu())
+    runs = runs_from_ranks(ranks, [1] * max(ks))
     flat = [r for row in runs for r in row]
     alpha = torch.cat(alphas) if alphas else torch.zeros(0)
     return {"alpha": float(alpha.mean()) if alpha.numel() else float("nan"),
             "agreement": sum(r >= 1 for r in flat) / max(len(flat), 1), "tau": tau_from_runs(runs, ks),
-            "positions": len(flat), "alpha_is_lower_bound": True}
+            "positions": len(flat), "top_n_agreement": top_n_agreement(ranks), "alpha_is_lower_bound": True}
 
 
 def preload_folder(cache: StatesCache, folder, layer_ids, max_length: int, sample_id) -> int:

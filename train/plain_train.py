@@ -18,7 +18,7 @@ from transformers import DynamicCache
 from specdec.compat import check_compatible
 from specdec.kv import cache_kwarg
 from specdec.models import load_tokenizer
-from specdec.replay import simulated_tau
+from specdec.replay import simulated_tau, top_n_agreement, true_token_ranks
 from specdec.tokens import tokenizer_pad_id
 from specdec.train import draft as draft_lib
 from specdec.train import losses
@@ -126,11 +126,11 @@ def compute_loss(cfg, student_logits, teacher, batch: dict, inv_map) -> torch.Te
 
 @torch.no_grad()
 def evaluate(model, target, chunks, ks, id_map) -> dict[str, Any]:
-    """alpha, greedy agreement and simulated tau(k) on held-out completions (teacher-forced). `chunks` yields
-    (sample_ids, collated batch)."""
+    """alpha, greedy agreement, top-n agreement (what a tree would find) and simulated tau(k) on held-out
+    completions (teacher-forced). `chunks` yields (sample_ids, collated batch)."""
     was_training = model.training
     model.eval()
-    alphas, agreements = [], []
+    alphas, agreements, ranks = [], [], []
     for _sample_ids, batch in chunks:
         mask = batch["loss_mask"].bool()
         student = _forward(model, batch)[mask].float()  # [N, V_draft]
@@ -138,17 +138,21 @@ def evaluate(model, target, chunks, ks, id_map) -> dict[str, Any]:
             t_logits = target_logits_at(target, batch).float()  # [N, V_target]
             alpha = losses.acceptance_alpha(student, t_logits, None, id_map)
             agree = losses.greedy_agreement(student, t_logits, None, id_map)
+            target_top = t_logits.argmax(-1)
         else:
             # The target's greedy token is the stored top-1 (else the data's next token: exact for greedy data).
             has_topn = "top_ids" in batch
-            target_top = batch["top_ids"][..., 0] if has_topn else batch["labels"]
-            agree = losses.draft_argmax_in_target_ids(student, id_map) == target_top[mask]
+            target_top = (batch["top_ids"][..., 0] if has_topn else batch["labels"])[mask]
+            agree = losses.draft_argmax_in_target_ids(student, id_map) == target_top
             alpha = (losses.acceptance_alpha_topn(student, batch["top_ids"][mask], batch["top_logprobs"][mask],
                                                   None, id_map)
                      if has_topn else torch.full(agree.shape, float("nan")))
         counts = mask.sum(-1).tolist()
         alphas.append(alpha.cpu())
         agreements += [a.tolist() for a in agree.cpu().split(counts)]
+        # A plain draft's later proposals are teacher-forced too: one rank per position serves every depth.
+        rank = true_token_ranks(student, target_top.to(student.device), id_map)
+        ranks += [[[r] for r in row.tolist()] for row in rank.cpu().split(counts)]
     if was_training:
         model.train()
     alpha_all = torch.cat(alphas) if alphas else torch.zeros(0)
@@ -156,7 +160,7 @@ def evaluate(model, target, chunks, ks, id_map) -> dict[str, Any]:
     flat = [x for a in agreements for x in a]
     return {"alpha": float(alpha_all.mean()) if alpha_all.numel() else float("nan"),
             "agreement": sum(flat) / max(len(flat), 1), "tau": taus, "positions": len(flat),
-            "alpha_is_lower_bound": target is None}
+            "top_n_agreement": top_n_agreement(ranks), "alpha_is_lower_bound": target is None}
 
 
 class PlainTraining:
