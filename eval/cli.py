@@ -22,6 +22,9 @@ Other keys: seed, warmup, num_prompts, use_chat_template, device, dtype, threads
 (speedup|tokens_per_s|latency_p50|latency_p95), plot_format, cost_repeats, equivalence_samples, report_to.
 choose_k=1,2,3,4 picks k before the timed runs by predicted speedup (a teacher-forced replay of the draft on the
 target's outputs for the first choose_k_prompts prompts, plus timed costs) and measures only that k.
+tree=3x1x1,dyn8 adds draft trees to the sweep at batch size 1 (3x1x1: the draft's top 3, then its top 1 below
+each; dyn8: EAGLE-2's dynamic tree of 8 nodes, dyn8-d4-w3 names depth and width); choose_tree=3x1x1,2x2x1 lets
+choose_k weigh static trees beside its chains.
 Prompts: .jsonl/.json with {"prompt"}, {"messages"}, ShareGPT or Spec-Bench records; default embedded:heldout
 (the shipped held-out set). The report goes to --out, else to output_dir/eval from the recipe.
 
@@ -56,7 +59,8 @@ def main_eval(argv: list[str]) -> int:
     s = result["speculative"]
     if "specdec" in cfg.engine:
         print(f"speedup {result['speedup']:.3f}x (analytical {result['analytical_speedup']:.3f}x), acceptance rate "
-              f"{s['acceptance_rate']:.3f}, tau {s['mean_accepted_tokens']:.3f}, k={result['config']['num_draft_tokens']} "
+              f"{s['acceptance_rate']:.3f}, tau {s['mean_accepted_tokens']:.3f}, "
+              f"{'tree=' + result['config']['tree'] if result['config'].get('tree') else 'k=' + str(result['config']['num_draft_tokens'])} "
               f"batch={result['config']['batch_size']}; equivalence {result['equivalence']['mode']}: "
               f"{result['equivalence']['passed']}; verdict {result['decision']['verdict']}")
     if result.get("engine"):

@@ -17,9 +17,10 @@ def _plt():
 
 
 def per_position_acceptance(rows: list[dict], path: Path) -> None:
-    """Bars of P(draft token i accepted | tokens < i accepted), one group per k (batch size of the best row)."""
-    acceptance_bars([(f"k={r['num_draft_tokens']}", r["speculative"]["per_position_acceptance"]) for r in rows],
-                    path)
+    """Bars of P(draft token i accepted | tokens < i accepted), one group per k or tree (batch size of the best
+    row); a tree's position i is its depth i."""
+    acceptance_bars([(r.get("proposal", f"k={r['num_draft_tokens']}"), r["speculative"]["per_position_acceptance"])
+                     for r in rows], path)
 
 
 def acceptance_bars(bars: list[tuple[str, list[float]]], path: Path) -> None:
@@ -44,7 +45,8 @@ def latency_cdf(best: dict, path: Path) -> None:
     """Empirical CDFs of request latency, target-only vs speculative."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for mode, label in (("baseline", "target-only"), ("speculative", f"speculative (k={best['num_draft_tokens']})")):
+    proposal = best.get("proposal", f"k={best['num_draft_tokens']}")
+    for mode, label in (("baseline", "target-only"), ("speculative", f"speculative ({proposal})")):
         xs, ys = metrics.cdf(best[mode]["latencies"])
         ax.step([xs[0], *xs], [0.0, *ys], where="post", label=label)
     ax.set_xlabel("request latency (s)")
@@ -58,9 +60,14 @@ def latency_cdf(best: dict, path: Path) -> None:
 
 
 def speedup_vs_k(rows: list[dict], path: Path) -> None:
-    """Measured and analytical speedup against k, one line pair per batch size."""
+    """Measured and analytical speedup against k, one line pair per batch size; trees as single points at their
+    depth, labelled."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 3.5))
+    trees, rows = [r for r in rows if r.get("tree")], [r for r in rows if not r.get("tree")]
+    for r in trees:
+        ax.plot([r["num_draft_tokens"]], [r["speedup"]], marker="*", markersize=10, linestyle="none",
+                label=f"measured, tree {r['tree']}")
     for b in sorted({r["batch_size"] for r in rows}):
         sel = sorted((r for r in rows if r["batch_size"] == b), key=lambda r: r["num_draft_tokens"])
         ks = [r["num_draft_tokens"] for r in sel]
@@ -68,7 +75,7 @@ def speedup_vs_k(rows: list[dict], path: Path) -> None:
         ax.plot(ks, [r["analytical_speedup"] for r in sel], marker="x", linestyle="--", color=line.get_color(),
                 label=f"analytical, batch {b}")
     ax.axhline(1.0, color="grey", linewidth=0.8)
-    ax.set_xticks(sorted({r["num_draft_tokens"] for r in rows}))
+    ax.set_xticks(sorted({r["num_draft_tokens"] for r in rows + trees}))
     ax.set_xlabel("k (draft tokens per round)")
     ax.set_ylabel("speedup over target-only")
     ax.set_title("Speedup vs k")

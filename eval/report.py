@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from specdec.eval import engine_markdown
+from specdec.tree import TreeSpec
 
 FORMULA = (
     "Analytical speedup (Leviathan et al. 2022, with per-position acceptance and a measured verify cost):\n\n"
@@ -31,16 +32,29 @@ def _ms(x) -> str:
     return "n/a" if x is None else f"{1e3 * x:.1f}"
 
 
+def _proposal(p) -> str:
+    return f"tree {p}" if isinstance(p, str) else f"k = {p}"
+
+
 def _choose_k_lines(ck: dict | None) -> list[str]:
-    """How k was chosen (choose_k): the calibration table, before any timed run."""
+    """How k (or a tree) was chosen (choose_k, choose_tree): the calibration table, before any timed run."""
     if not ck:
         return []
-    rows = [f"| {k} | {ck['tau'][str(k)]:.3f} | {ck['v'][str(k)]:.3f} | {ck['predicted_speedup'][str(k)]:.3f} |"
-            for k in ck["candidates"]]
-    return [f"k = {ck['chosen']} was chosen before the timed runs by predicted speedup tau(k) / (k c + v(k+1)): tau "
-            f"from the draft teacher-forced on the target's outputs for the first {ck['prompts']} prompt(s), "
-            f"c = {ck['c']:.3f} and v timed then.", "", "| k | tau(k) | v(k+1) | predicted speedup |",
-            "|---:|---:|---:|---:|", *rows, ""]
+    nodes = {str(p): (str(_tree_nodes(p)) if isinstance(p, str) else str(p)) for p in ck["candidates"]}
+    rows = [f"| {_proposal(p)} | {ck['tau'][str(p)]:.3f} | {ck['v'][nodes[str(p)]]:.3f} | "
+            f"{ck['predicted_speedup'][str(p)]:.3f} |" for p in ck["candidates"]]
+    lines = [f"{_proposal(ck['chosen'])} was chosen before the timed runs by predicted speedup tau / (d c + v(n+1)) "
+             f"(d draft forwards and n verified tokens per round): tau from the draft teacher-forced on the "
+             f"target's outputs for the first {ck['prompts']} prompt(s), c = {ck['c']:.3f} and v timed then."]
+    best_chain = ck.get("best_chain")
+    if isinstance(ck["chosen"], str) and best_chain is not None:
+        gain = ck["predicted_speedup"][ck["chosen"]] / ck["predicted_speedup"][str(best_chain)]
+        lines.append(f"The tree is predicted {gain:.3f}x the best chain's speed (k = {best_chain}).")
+    return [*lines, "", "| proposal | tau | v(n+1) | predicted speedup |", "|---|---:|---:|---:|", *rows, ""]
+
+
+def _tree_nodes(p: str) -> int:
+    return TreeSpec.parse(p).max_nodes
 
 
 def to_markdown(r: dict) -> str:
@@ -53,7 +67,8 @@ def to_markdown(r: dict) -> str:
         f"**Verdict: `{d['verdict']}`** — speedup **{r['speedup']:.2f}x** (analytical {r['analytical_speedup']:.2f}x), "
         f"acceptance rate **{s['acceptance_rate']:.3f}**, equivalence **{_eq_word(eq)}**.",
         "",
-        f"Target `{cfg['target']}`, draft `{cfg['draft']}`; k = {cfg['num_draft_tokens']}, batch size "
+        f"Target `{cfg['target']}`, draft `{cfg['draft']}`; "
+        f"{_proposal(cfg['tree']) if cfg.get('tree') else _proposal(cfg['num_draft_tokens'])}, batch size "
         f"{cfg['batch_size']} (recommended by {cfg['recommend_by']}); {cfg['num_prompts']} prompts from "
         f"`{cfg['prompts']}`, max_new_tokens {cfg['max_new_tokens']}, temperature {cfg['temperature']}, top_k "
         f"{cfg['top_k']}, top_p {cfg['top_p']}, seed {cfg['seed']}, {cfg['warmup']} warm-up pass(es) excluded.",
@@ -86,7 +101,7 @@ def to_markdown(r: dict) -> str:
         + ", ".join(f"{i + 1}: {a:.3f}" for i, a in enumerate(s["per_position_acceptance"])),
         "",
         f"Costs measured in this run: target step {r['cost']['target_step_ms']:.2f} ms, draft step "
-        f"{r['cost']['draft_step_ms']:.2f} ms, c = {r['cost']['c']:.3f}, v(k+1) = {r['cost']['v']:.3f}; "
+        f"{r['cost']['draft_step_ms']:.2f} ms, c = {r['cost']['c']:.3f}, v(n+1) = {r['cost']['v']:.3f} (n verified draft tokens); "
         f"expected tokens per round from the per-position acceptance {r['expected_tokens_per_round']:.3f}.",
         "",
         *_choose_k_lines(r.get("choose_k")),
@@ -105,14 +120,14 @@ def to_markdown(r: dict) -> str:
     lines += _equivalence_md(eq)
     if r.get("sweep"):
         lines += ["", "## Sweep", "",
-                  "| k | batch | speedup | analytical | tokens/s target-only | tokens/s speculative | acceptance | tau "
+                  "| proposal | batch | speedup | analytical | tokens/s target-only | tokens/s speculative | acceptance | tau "
                   "| c | v | equivalent | verdict |",
                   "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
         for row in r["sweep"]:
-            mark = " **(recommended)**" if (row["num_draft_tokens"], row["batch_size"]) == (
-                cfg["num_draft_tokens"], cfg["batch_size"]) else ""
+            mark = " **(recommended)**" if (row["num_draft_tokens"], row.get("tree"), row["batch_size"]) == (
+                cfg["num_draft_tokens"], cfg.get("tree"), cfg["batch_size"]) else ""
             lines.append(
-                f"| {row['num_draft_tokens']}{mark} | {row['batch_size']} | {row['speedup']:.3f} | "
+                f"| {row.get('proposal', row['num_draft_tokens'])}{mark} | {row['batch_size']} | {row['speedup']:.3f} | "
                 f"{row['analytical_speedup']:.3f} | {row['baseline_tokens_per_s']:.2f} | "
                 f"{row['speculative_tokens_per_s']:.2f} | {row['acceptance_rate']:.3f} | "
                 f"{row['mean_accepted_tokens']:.3f} | {row['c']:.3f} | {row['v']:.3f} | "

@@ -34,7 +34,7 @@ from specdec.compat import check_compatible
 from specdec.decode import DecodeStats, speculative_generate, target_generate
 from specdec.drafter import make_drafter
 from specdec.eval import decision as decision_mod
-from specdec.eval import engine_report, equivalence, metrics, plots, report
+from specdec.eval import engine_report, equivalence, metrics, plots, proposals, report
 from specdec.eval.engine_vllm import check_settings
 from specdec.eval.verify import _draft_tokenizer, check_pair, first_turn, resolve_prompts_path
 from specdec.fast_linear import fast_linears
@@ -52,7 +52,7 @@ PLOT_FORMATS = ("png", "svg", "pdf")
 
 @dataclass
 class EvalConfig:
-    """`specdec eval` settings (recipe section `eval:`). Lists sweep: one row per (k, batch size)."""
+    """`specdec eval` settings (recipe section `eval:`). Lists sweep: one row per (k or tree, batch size)."""
 
     target: str = "embedded:smollm2-135m-instruct"
     draft: str | None = None
@@ -60,6 +60,9 @@ class EvalConfig:
     num_prompts: int | None = None  # the first N prompts (None: all)
     use_chat_template: bool = True
     num_draft_tokens: list[int] = field(default_factory=lambda: [4])
+    # Draft trees swept beside the chains, at batch size 1 (specdec/tree.py): e.g. 3x1x1 (top 3, then top 1),
+    # dyn8 (EAGLE-2's dynamic tree of 8 nodes). [] = chains only.
+    tree: list[str] = field(default_factory=list)
     batch_size: list[int] = field(default_factory=lambda: [1])
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -85,6 +88,7 @@ class EvalConfig:
     # Candidate k values: before the timed runs, pick the one with the best predicted speedup (see
     # choose_num_draft_tokens) and measure only it; replaces num_draft_tokens. [] = off.
     choose_k: list[int] = field(default_factory=list)
+    choose_tree: list[str] = field(default_factory=list)  # static tree shapes choose_k weighs beside its chains
     choose_k_prompts: int = 4  # calibration prompts (the first ones, which also serve as warm-up)
     # --- the serving engine (eval/engine_vllm.py): where the draft is measured; specdec = this decoder
     engine: list[str] = field(default_factory=lambda: ["specdec"])  # specdec | vllm | specdec,vllm (side by side)
@@ -108,7 +112,13 @@ class EvalConfig:
             raise ValueError("eval needs a draft: pass --draft PATH_OR_HUB_ID (a checkpoint from `specdec train`)")
         if not self.prompts:
             raise ValueError("eval needs prompts: pass --prompts FILE.jsonl (default: embedded:heldout)")
-        if not self.num_draft_tokens or min(self.num_draft_tokens) < 1:
+        self.tree = proposals.normalise_trees(self.tree)
+        self.choose_tree = proposals.normalise_trees(self.choose_tree, "choose_tree")
+        if self.choose_tree and not self.choose_k:
+            raise ValueError("choose_tree weighs trees beside chains: give choose_k too (e.g. choose_k=1,2,3)")
+        for shape in self.choose_tree:
+            proposals.widths(shape)
+        if (not self.num_draft_tokens and not self.tree) or min(self.num_draft_tokens, default=1) < 1:
             raise ValueError(f"num_draft_tokens must be integers >= 1 (e.g. --num-draft-tokens 1,2,4), got {self.num_draft_tokens}")
         if not self.batch_size or min(self.batch_size) < 1:
             raise ValueError(f"batch_size must be integers >= 1 (e.g. --batch-size 1,4), got {self.batch_size}")
@@ -119,6 +129,8 @@ class EvalConfig:
         if self.choose_k_prompts < 1:
             raise ValueError(f"choose_k_prompts must be >= 1, got {self.choose_k_prompts}")
         self.batch_size = sorted(set(self.batch_size))
+        if self.tree and 1 not in self.batch_size:
+            raise ValueError(f"trees decode one prompt at a time: add batch size 1 to measure tree={self.tree}")
         for name in ("max_new_tokens", "cost_repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -140,6 +152,10 @@ class EvalConfig:
 
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(self.temperature, self.top_k, self.top_p)
+
+    def proposals(self, batch_size: int) -> list:
+        """The configurations measured at this batch size: every k, and the trees at batch size 1."""
+        return [*self.num_draft_tokens, *(self.tree if batch_size == 1 else [])]
 
     def thresholds(self) -> decision_mod.Thresholds:
         return decision_mod.Thresholds(self.min_acceptance_rate, self.min_speedup, self.max_memory_overhead)
@@ -301,15 +317,17 @@ def measure_costs(target, draft, ids: torch.Tensor, ks: list[int], repeats: int,
             "v": {str(k): s / t1 for k, s in verify.items()}}
 
 
-def choose_num_draft_tokens(target, draft, prompts: list[list[int]], candidates: list[int], cfg: EvalConfig,
+def choose_num_draft_tokens(target, draft, prompts: list[list[int]], candidates: list, cfg: EvalConfig,
                             eos, pad, device: torch.device) -> dict:
-    """Pick k by predicted speedup: tau(k) / (k c + v(k+1)), all measured here, before any timed run.
+    """Pick k (or a static tree) by predicted speedup: tau / (d c + v(n+1)), all measured here, before any timed
+    run (eval/proposals.py: d draft forwards, n verified nodes per round).
 
-    tau(k) comes from the draft teacher-forced on the target's own outputs for `prompts`: greedy rounds replayed
-    exactly (specdec/replay.py, for any kind of draft). Under sampling the target's sampled output and
-    the draft's argmax give an estimate, not the exact figure. c and v are timed as in the report.
+    tau comes from the draft teacher-forced on the target's own outputs for `prompts`: greedy rounds replayed
+    exactly from the ranks of the target's tokens among the draft's proposals (specdec/replay.py, for any kind of
+    draft). Under sampling the target's sampled output and the draft's ranking give an estimate, not the exact
+    figure. c and v are timed as in the report.
     """
-    runs = []
+    ranks, steps = [], max(proposals.depth(p) for p in candidates)
     with torch.inference_mode():
         for i, prompt in enumerate(prompts):
             ids = torch.tensor([prompt], device=device)
@@ -325,15 +343,20 @@ def choose_num_draft_tokens(target, draft, prompts: list[list[int]], candidates:
             scored = torch.zeros_like(seq, dtype=torch.bool)
             scored[0, len(prompt): seq.shape[1] - 1] = True
             states = replay.target_states(draft, target, seq, mask)
-            runs += replay.replay_runs(draft, seq, mask, scored, max(candidates), states)
-    tau = replay.tau_from_runs(runs, candidates)
-    costs = measure_costs(target, draft, torch.tensor([prompts[0]], device=device), candidates, cfg.cost_repeats)
-    predicted = {k: tau[k] / (k * costs["c"] + costs["v"][str(k)]) for k in candidates}
-    chosen = max(candidates, key=lambda k: (predicted[k], -k))
-    log.info("choose_k: predicted speedup %s -> k = %d", {k: round(v, 3) for k, v in predicted.items()}, chosen)
-    return {"candidates": candidates, "prompts": len(prompts), "tau": {str(k): tau[k] for k in candidates},
-            "c": costs["c"], "v": costs["v"], "predicted_speedup": {str(k): predicted[k] for k in candidates},
-            "chosen": chosen}
+            ranks += replay.replay_ranks(draft, seq, mask, scored, steps, states)
+    tau = {p: proposals.replayed_tau(ranks, p) for p in candidates}
+    nodes = sorted({proposals.verified_nodes(p) for p in candidates})
+    costs = measure_costs(target, draft, torch.tensor([prompts[0]], device=device), nodes, cfg.cost_repeats)
+    predicted = {p: proposals.predicted_speedup(tau[p], p, costs["c"], costs["v"]) for p in candidates}
+    chosen = max(candidates, key=lambda p: (predicted[p], -proposals.verified_nodes(p)))
+    chains = [p for p in candidates if not proposals.is_tree(p)]
+    best_chain = max(chains, key=lambda p: (predicted[p], -p)) if chains else None
+    log.info("choose_k: predicted speedup %s -> %s", {proposals.label(p): round(v, 3) for p, v in predicted.items()},
+             proposals.label(chosen))
+    return {"candidates": candidates, "prompts": len(prompts), "tau": {str(p): tau[p] for p in candidates},
+            "c": costs["c"], "v": costs["v"], "predicted_speedup": {str(p): predicted[p] for p in candidates},
+            "chosen": chosen, "best_chain": best_chain,
+            "top_n_agreement": replay.top_n_agreement(ranks)}
 
 
 @dataclass
@@ -341,7 +364,7 @@ class Call:
     """One timed decoder call on one batch of prompts."""
 
     mode: str  # "baseline" or "speculative"
-    k: int | None
+    k: int | str | None  # the proposal: k, or a tree shape (eval/proposals.py)
     batch_size: int
     rows: list[int]  # prompt indices
     seconds: float
@@ -383,7 +406,7 @@ def _spec_stats(calls: list[Call], k: int, weights: list[float] | None = None) -
     tried, acc = [0.0] * k, [0.0] * k
     for c, w in zip(calls, weights):
         s = c.stats
-        for name in ("rounds", "row_rounds", "proposed", "accepted", "corrections", "bonus", "emitted"):
+        for name in ("rounds", "row_rounds", "proposed", "accepted", "corrections", "bonus", "emitted", "tree_nodes"):
             tot[name] += w * getattr(s, name)
         tot["fallback"] = max(tot["fallback"], float(s.fallback))
         for i in range(k):
@@ -394,6 +417,7 @@ def _spec_stats(calls: list[Call], k: int, weights: list[float] | None = None) -
         "mean_accepted_tokens": tot["emitted"] / tot["row_rounds"] if tot["row_rounds"] else 0.0,
         "per_position_acceptance": [a / t if t else 0.0 for a, t in zip(acc, tried)],
         **{n: int(round(tot[n])) for n in ("rounds", "proposed", "accepted", "corrections", "bonus")},
+        "nodes_per_round": tot["tree_nodes"] / tot["rounds"] if tot["rounds"] else 0.0,
         "fallback": bool(tot["fallback"]),
     }
 
@@ -467,9 +491,11 @@ def _run(cfg: EvalConfig) -> dict:
     pad = tokenizer_pad_id(tokenizer)
     chosen_k = None
     if cfg.choose_k:
-        chosen_k = choose_num_draft_tokens(target, draft, encoded[: cfg.choose_k_prompts], cfg.choose_k, cfg,
-                                           eos, pad, device)
-        cfg = dataclasses.replace(cfg, num_draft_tokens=[chosen_k["chosen"]])
+        chosen_k = choose_num_draft_tokens(target, draft, encoded[: cfg.choose_k_prompts],
+                                           [*cfg.choose_k, *cfg.choose_tree], cfg, eos, pad, device)
+        chosen = chosen_k["chosen"]
+        cfg = dataclasses.replace(cfg, num_draft_tokens=[] if proposals.is_tree(chosen) else [chosen],
+                                  tree=[chosen] if proposals.is_tree(chosen) else [])
     calls, costs, timing = _measure(cfg, target, draft, encoded, eos, pad, device)
 
     # What serving the draft adds: tensors it shares with the target count once, in the target.
@@ -477,7 +503,7 @@ def _run(cfg: EvalConfig) -> dict:
     rows = []
     for b in cfg.batch_size:
         base = [c for c in calls if c.batch_size == b and c.mode == "baseline"]
-        for k in cfg.num_draft_tokens:
+        for k in cfg.proposals(b):
             spec = [c for c in calls if c.batch_size == b and c.k == k]
             rows.append(_config_row(cfg, prompts, base, spec, k, b, costs[b], weights))
     best = _recommend(rows, cfg.recommend_by)
@@ -497,17 +523,19 @@ def _run(cfg: EvalConfig) -> dict:
 
 def _measure(cfg: EvalConfig, target, draft, encoded: list[list[int]], eos, pad, device: torch.device):
     """The timed A/B loop over batch sizes and batches; returns (calls, costs per batch size, loop timing)."""
-    sampling, ks, memory = cfg.sampling(), cfg.num_draft_tokens, PeakMemory(device)
+    sampling, memory = cfg.sampling(), PeakMemory(device)
     calls: list[Call] = []
     costs: dict[int, dict] = {}
     decoder_seconds, loop_seconds = 0.0, 0.0
     n = len(encoded)
-    bar = tqdm(total=sum(-(-n // b) for b in cfg.batch_size) * (1 + len(ks)), desc="eval", unit="call")
+    bar = tqdm(total=sum(-(-n // b) * (1 + len(cfg.proposals(b))) for b in cfg.batch_size), desc="eval", unit="call")
     for b in cfg.batch_size:
+        ks = cfg.proposals(b)
         groups = [list(range(i, min(i + b, n))) for i in range(0, n, b)]
         first_ids, first_mask = left_pad([encoded[i] for i in groups[0]], pad, device)
         # Cost ratios on the first batch's common (unpadded) suffix: the decoders' per-step shapes.
-        costs[b] = measure_costs(target, draft, first_ids[:, first_mask.all(0)], ks, cfg.cost_repeats)
+        nodes = sorted({proposals.verified_nodes(k) for k in ks})
+        costs[b] = measure_costs(target, draft, first_ids[:, first_mask.all(0)], nodes, cfg.cost_repeats)
         for _ in range(cfg.warmup):
             for k in [None, *ks]:
                 _decode(target, draft, k, first_ids, first_mask, sampling, cfg, eos, pad, torch.Generator(device=device))
@@ -567,13 +595,17 @@ def _decode(target, draft, k, ids, mask, sampling, cfg, eos, pad, gen):
     mask = None if bool(mask.all()) else mask
     if k is None:
         return target_generate(target, ids, mask, sampling, cfg.max_new_tokens, eos, gen, pad, timing=True)
+    if proposals.is_tree(k):
+        return speculative_generate(target, draft, ids, mask, sampling=sampling, max_new_tokens=cfg.max_new_tokens,
+                                    eos_token_id=eos, generator=gen, pad_token_id=pad, timing=True, tree=k)
     return speculative_generate(target, draft, ids, mask, k, sampling, cfg.max_new_tokens, eos, gen, pad, timing=True)
 
 
 def _config_row(cfg, prompts, base: list[Call], spec: list[Call], k: int, b: int, cost: dict, weights: dict) -> dict:
-    """Every figure of one (k, batch size) configuration."""
+    """Every figure of one (k or tree, batch size) configuration."""
     bm, sm = _mode_metrics(base), _mode_metrics(spec)
-    st = _spec_stats(spec, k)
+    d = proposals.depth(k)
+    st = _spec_stats(spec, d)
     sm.update(st)
     by_row_base = {r: t for c in base for r, t in zip(c.rows, c.tokens)}
     by_row_spec = {r: t for c in spec for r, t in zip(c.rows, c.tokens)}
@@ -583,9 +615,10 @@ def _config_row(cfg, prompts, base: list[Call], spec: list[Call], k: int, b: int
     order = sorted(by_row_base)
     eq = equivalence.greedy_equivalence([prompts[i].prompt_id for i in order], [by_row_base[i] for i in order],
                                         [by_row_spec[i] for i in order])
-    v = cost["v"][str(k)]
+    v = cost["v"][str(proposals.verified_nodes(k))]
     return {
-        "num_draft_tokens": k, "batch_size": b,
+        "num_draft_tokens": d, "tree": k if proposals.is_tree(k) else None, "proposal": proposals.label(k),
+        "batch_size": b,
         "baseline": bm, "speculative": sm,
         "speedup": metrics.speedup(bm["seconds"], sm["seconds"]),
         "analytical_speedup": metrics.analytical_speedup(st["per_position_acceptance"], cost["c"], v),
@@ -594,7 +627,7 @@ def _config_row(cfg, prompts, base: list[Call], spec: list[Call], k: int, b: int
         "memory": {**weights, "overhead_mb": metrics.memory_overhead_mb(
             [by_group_base[g] for g in groups], [by_group_spec[g] for g in groups], weights["draft_weights_mb"])},
         "equivalence": eq,
-        "categories": _categories(prompts, base, spec, k),
+        "categories": _categories(prompts, base, spec, d),
         "samples": [(prompts[i].prompt_id, prompts[i].category, by_row_base[i], by_row_spec[i]) for i in order],
     }
 
@@ -617,12 +650,12 @@ def _public(mode: dict) -> dict:
 
 def _assemble(cfg, prompts, rows, best, eq, costs, device, timing) -> dict:
     config = {
-        "target": cfg.target, "draft": cfg.draft, "num_draft_tokens": best["num_draft_tokens"],
+        "target": cfg.target, "draft": cfg.draft, "num_draft_tokens": best["num_draft_tokens"], "tree": best["tree"],
         "temperature": cfg.temperature, "top_k": cfg.top_k, "top_p": cfg.top_p,
         "max_new_tokens": cfg.max_new_tokens, "batch_size": best["batch_size"], "seed": cfg.seed,
         "num_prompts": len(prompts), "warmup": cfg.warmup, "prompts": cfg.prompts,
         "use_chat_template": cfg.use_chat_template, "dtype": cfg.dtype,
-        "sweep_num_draft_tokens": cfg.num_draft_tokens, "sweep_batch_size": cfg.batch_size,
+        "sweep_num_draft_tokens": cfg.num_draft_tokens, "sweep_tree": cfg.tree, "sweep_batch_size": cfg.batch_size,
         "recommend_by": cfg.recommend_by,
         "thresholds": dataclasses.asdict(cfg.thresholds()),
     }
@@ -638,7 +671,8 @@ def _assemble(cfg, prompts, rows, best, eq, costs, device, timing) -> dict:
         "memory": best["memory"],
         "equivalence": eq,
         "decision": best["decision"],
-        "recommended": {"num_draft_tokens": best["num_draft_tokens"], "batch_size": best["batch_size"],
+        "recommended": {"num_draft_tokens": best["num_draft_tokens"], "tree": best["tree"],
+                        "proposal": best["proposal"], "batch_size": best["batch_size"],
                         "by": cfg.recommend_by},
         # The measurement loop's wall time vs the time inside decoder calls (cost timing and warm-up excluded).
         "harness": {**timing, "overhead_fraction": max(0.0, 1 - timing["decoder_s"] / timing["loop_s"])
@@ -648,8 +682,8 @@ def _assemble(cfg, prompts, rows, best, eq, costs, device, timing) -> dict:
         result["categories"] = best["categories"]
     if len(rows) > 1:
         result["sweep"] = [{
-            "num_draft_tokens": r["num_draft_tokens"], "batch_size": r["batch_size"],
-            "speedup": r["speedup"], "analytical_speedup": r["analytical_speedup"],
+            "num_draft_tokens": r["num_draft_tokens"], "tree": r["tree"], "proposal": r["proposal"],
+            "batch_size": r["batch_size"], "speedup": r["speedup"], "analytical_speedup": r["analytical_speedup"],
             "baseline_tokens_per_s": r["baseline"]["tokens_per_s"],
             "speculative_tokens_per_s": r["speculative"]["tokens_per_s"],
             "acceptance_rate": r["speculative"]["acceptance_rate"],

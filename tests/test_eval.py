@@ -238,3 +238,45 @@ def test_choose_k_predicts_tau_exactly_and_measures_only_the_chosen_k(tiny_check
     ck = report["choose_k"]
     assert ck["tau"]["3"] > 2.5 and ck["tau"]["2"] > 2.0
     assert ck["tau"][str(ck["chosen"])] == pytest.approx(report["speculative"]["mean_accepted_tokens"])
+
+
+def test_trees_join_the_sweep_at_batch_one_and_stay_exact(tiny_checkpoints, tmp_path):
+    assert _eval(tiny_checkpoints, tmp_path, "--num-draft-tokens", "1,3", "--batch-size", "1,2",
+                 "tree=3x1x1,dyn4-d2-w2", "warmup=0") == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    rows = {(r["proposal"], r["batch_size"]): r for r in report["sweep"]}
+    assert set(rows) == {("k=1", 1), ("k=3", 1), ("k=1", 2), ("k=3", 2), ("tree=3x1x1", 1),
+                         ("tree=dyn4-d2-w2", 1)}
+    assert all(r["equivalence_passed"] for r in report["sweep"])
+    tree = rows[("tree=3x1x1", 1)]
+    assert tree["tree"] == "3x1x1" and tree["num_draft_tokens"] == 3 and len(tree["per_position_acceptance"]) == 3
+    assert tree["v"] > 0 and rows[("tree=dyn4-d2-w2", 1)]["num_draft_tokens"] == 2
+    assert report["config"]["sweep_tree"] == ["3x1x1", "dyn4-d2-w2"]
+    md = (tmp_path / "report.md").read_text()
+    assert "| tree=3x1x1 | 1 |" in md or "| tree=3x1x1 **(recommended)** | 1 |" in md
+
+
+def test_choose_k_weighs_static_trees_by_their_replayed_tau(tiny_checkpoints, tmp_path):
+    perfect = {**tiny_checkpoints, "draft": tiny_checkpoints["target"]}
+    assert _eval(perfect, tmp_path, "choose_k=1", "choose_tree=3x1x1,2x2", "num_prompts=4", "choose_k_prompts=4",
+                 "warmup=0") == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    ck = report["choose_k"]
+    assert ck["candidates"] == [1, "3x1x1", "2x2"] and ck["best_chain"] == 1
+    assert ck["chosen"] == max(ck["candidates"], key=lambda p: ck["predicted_speedup"][str(p)])
+    # the target as its own draft: every first choice is right, so a tree of depth 3 accepts as a chain of 3
+    assert ck["tau"]["3x1x1"] > ck["tau"]["2x2"] > ck["tau"]["1"] > 1.5
+    assert ck["tau"][str(ck["chosen"])] == pytest.approx(report["speculative"]["mean_accepted_tokens"])
+    assert len(ck["top_n_agreement"]) == 3 and ck["top_n_agreement"][0]["1"] == 1.0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["tree=1x1"], "list it in num_draft_tokens"),
+    (["tree=3x1", "--batch-size", "2"], "add batch size 1"),
+    (["choose_tree=3x1"], "give choose_k too"),
+    (["choose_k=1", "choose_tree=dyn8"], "dynamic tree cannot be predicted"),
+    (["tree=3;1"], "not a tree shape"),
+])
+def test_bad_tree_settings_say_what_to_do(tiny_checkpoints, tmp_path, capsys, args, message):
+    assert _eval(tiny_checkpoints, tmp_path, *args) != 0
+    assert message in capsys.readouterr().err
