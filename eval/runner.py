@@ -689,6 +689,7 @@ def _assemble(cfg, prompts, rows, best, eq, costs, device, timing) -> dict:
             "acceptance_rate": r["speculative"]["acceptance_rate"],
             "mean_accepted_tokens": r["speculative"]["mean_accepted_tokens"],
             "per_position_acceptance": r["speculative"]["per_position_acceptance"],
+            "nodes_per_round": r["speculative"]["nodes_per_round"],
             "baseline_latency_p50_s": r["baseline"]["latency_s"]["p50"],
             "speculative_latency_p50_s": r["speculative"]["latency_s"]["p50"],
             "c": r["cost"]["c"], "v": r["cost"]["v"],
