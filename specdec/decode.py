@@ -29,7 +29,7 @@ from specdec.fast_linear import fast_linears
 from specdec.kv import Batch, cache_kwarg, forward_cached, forward_masked, keep_path, prefill, rollback
 from specdec.sampling import SamplingConfig, next_token, probabilities
 from specdec.tokens import pad_id
-from specdec.tree import Tree, TreeSpec, greedy_walk, grow, sampled_walk, verification_inputs
+from specdec.tree import Tree, TreeSpec, describe_round, greedy_walk, grow, sampled_walk, verification_inputs
 from specdec.verify import greedy_verify, rejection_verify
 
 log = logging.getLogger(__name__)
@@ -109,6 +109,10 @@ class TreeTrace:
     path: list[int]
     next_token: int  # correction (no child matched) or bonus (a leaf was reached)
     advanced: int
+
+    def describe(self, decode=str) -> str:
+        """The tree, the accepted path (*) and the correction or bonus, as text (`decode`: id -> str)."""
+        return describe_round(self.tree, self.path, self.next_token, decode)
 
 
 @dataclass

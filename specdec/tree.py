@@ -144,6 +144,24 @@ class Tree:
         return out
 
 
+def describe_round(tree: Tree, path: list[int], next_token: int, decode=str) -> str:
+    """A tree round as text: the nodes indented by depth with their draft log-probability, the accepted path
+    marked `*`, then the target's own token (a bonus when the path ends at a leaf, else a correction)."""
+    kids, lines = tree.children(), []
+
+    def walk(node: int) -> None:
+        for child in kids[node]:
+            mark = "*" if child in path else " "
+            lines.append(f"{'  ' * (tree.depths[child] - 1)}{mark} {decode(tree.tokens[child])!s}  "
+                         f"({tree.scores[child]:.2f})")
+            walk(child)
+
+    walk(-1)
+    bonus = bool(path) and not kids[path[-1]]
+    lines.append(f"-> {'bonus' if bonus else 'correction'} {decode(next_token)!s} (accepted {len(path)})")
+    return "\n".join(lines)
+
+
 def grow(drafter, batch, spec: TreeSpec, depth: int, stats) -> Tree:
     """The round's tree from the drafter, at most `depth` deep: one draft forward per level fed (the root first).
 

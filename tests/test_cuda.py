@@ -49,6 +49,29 @@ def test_greedy_on_cuda_equals_target_alone(dtype, batch, k):
     assert out.stats.acceptance_rate > 0.3
 
 
+@pytest.mark.parametrize("tree", ["3x1x1", "dyn8"])
+def test_draft_trees_on_cuda_are_exact(tree):
+    from specdec.eagle3 import Eagle3Draft
+
+    target = tiny_llama(seed=0).to(CUDA)
+    near = tiny_llama(seed=0)
+    with torch.no_grad():
+        for param in near.parameters():
+            param.mul_(1 + 0.3 * torch.randn_like(param))
+    eagle = Eagle3Draft.from_target(target.cpu(), [1], seed=3).to(CUDA)
+    target = target.to(CUDA)
+    ids = torch.tensor([[3, 4, 5, 6, 7]], device=CUDA)
+    ref = target_generate(target, ids, max_new_tokens=30)
+    for d in (near.to(CUDA), eagle):
+        out = speculative_generate(target, d, ids, max_new_tokens=30, tree=tree)
+        assert torch.equal(out.sequences, ref.sequences) and not out.stats.fallback
+    small = tiny_llama(seed=0, vocab_size=VOCAB, hidden=16, dtype=torch.float32).to(CUDA)
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    out = speculative_generate(small, small, torch.tensor([[3, 4, 5]], device=CUDA), sampling=SETTINGS[0],
+                               max_new_tokens=8, generator=g, tree=tree)
+    assert out.sequences.shape[1] == 11 and not out.stats.fallback
+
+
 def test_reduced_vocabulary_draft_on_cuda_is_exact():
     target = tiny_llama(seed=0).to(CUDA)
     reduced = apply_reduced_head(tiny_llama(seed=1, layers=1), torch.arange(0, 128, 3)).to(CUDA)

@@ -108,6 +108,18 @@ def test_greedy_tree_decoding_equals_the_target_alone(target, draft, tree, kind)
         assert stats.mean_accepted_tokens > 1.5
 
 
+def test_a_tree_round_describes_itself():
+    from specdec.decode import TreeTrace
+
+    tree = Tree()
+    for token, parent in [(9, -1), (11, -1), (13, 0), (15, 1)]:
+        tree.add(token, parent, -0.5)
+    text = TreeTrace(tree, [1, 3], 42, 3).describe(lambda t: f"<{t}>")
+    assert text.splitlines() == ["  <9>  (-0.50)", "    <13>  (-0.50)", "* <11>  (-0.50)", "  * <15>  (-0.50)",
+                                 "-> bonus <42> (accepted 2)"]
+    assert "correction 42 (accepted 0)" in TreeTrace(tree, [], 42, 1).describe()
+
+
 def test_eos_and_padding_and_batches(target, draft):
     prompt = torch.tensor([[0, 0, 3, 4, 5]])
     mask = torch.tensor([[0, 0, 1, 1, 1]])
