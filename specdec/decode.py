@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from transformers import PreTrainedModel
 
 from specdec.drafter import make_drafter
 from specdec.fast_linear import fast_linears
@@ -287,7 +288,7 @@ def speculative_generate(
         num_draft_tokens, spec = spec.max_depth, None
     k = num_draft_tokens if spec is None else spec.max_depth
     if spec is not None:
-        input_ids, attention_mask = _one_unpadded_prompt(input_ids, attention_mask, spec)
+        input_ids, attention_mask = _tree_inputs(target, draft, input_ids, attention_mask, spec)
     _check_inputs(target, input_ids, attention_mask, max_new_tokens, k + 1, draft, k)
     batch = Batch(input_ids, attention_mask, max_new_tokens, k + 1, eos_token_id, pad_id(pad_token_id, eos_token_id))
     stats = DecodeStats(num_draft_tokens=k, position_tried=[0] * k, position_accepted=[0] * k,
@@ -305,7 +306,17 @@ def speculative_generate(
         drafter.close()
 
 
-def _one_unpadded_prompt(input_ids, attention_mask, spec: TreeSpec):
+TREE_ATTENTION = ("eager", "sdpa")  # the implementations that read a 4D tensor mask as given (kv.forward_masked)
+
+
+def _tree_inputs(target, draft, input_ids, attention_mask, spec: TreeSpec):
+    """One prompt, its padding dropped; models whose attention reads the tree's 4D mask."""
+    for name, model in (("target", target), ("draft", draft)):
+        attention = getattr(model.config, "_attn_implementation", None)
+        if isinstance(model, PreTrainedModel) and attention not in TREE_ATTENTION:
+            raise ValueError(f"tree decoding passes a 4D attention mask, which {' and '.join(TREE_ATTENTION)} "
+                             f"attention read; the {name} uses {attention!r}: load it with "
+                             f"attn_implementation='sdpa'")
     if input_ids.dim() == 2 and input_ids.shape[0] > 1:
         raise ValueError(f"tree decoding (tree={spec}) takes one prompt at a time, got a batch of "
                          f"{input_ids.shape[0]}: loop over the prompts, or decode the batch with a chain "

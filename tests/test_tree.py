@@ -128,6 +128,10 @@ def test_eos_and_padding_and_batches(target, draft):
     assert torch.equal(out.sequences, want)
     with pytest.raises(ValueError, match="one prompt at a time"):
         speculative_generate(target, draft, torch.tensor([[3, 4], [5, 6]]), tree="3x1x1")
+    flex = tiny_llama(seed=1, layers=1)
+    flex.config._attn_implementation = "flex_attention"
+    with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
+        speculative_generate(target, flex, torch.tensor([[3, 4]]), tree="3x1x1")
 
 
 def test_a_width_one_tree_is_the_chain(target, draft):
