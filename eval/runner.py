@@ -216,8 +216,9 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
         elif self.can_reset_hwm:
             # The mark restarts from the current RSS, which still holds memory that earlier work in this process
-            # freed but the allocator kept (`specdec demo` trains in the same process: its eval read 7.4 GB for a
-            # 135M pair). Hand that back first, so the figure is the decoder's.
+            # freed but the allocator kept (`specdec demo` trains in the same process: its eval read far more than
+            # the 135M pair's own memory, docs/results/history.md). Hand that back first, so the figure is the
+            # decoder's.
             _release_freed_memory()
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
@@ -287,9 +288,9 @@ def measure_costs(target, draft, ids: torch.Tensor, ks: list[int], repeats: int,
 
     The kinds of forward are interleaved: each of `repeats` passes times one of every kind, in an order that
     rotates from pass to pass, so that drift in the machine's speed (shared cores, clock changes) slows every
-    kind alike; each figure is a median over the passes. Timed kind after kind instead, on a 2-core VM, a
-    4-token verification once measured 0.84 of a 1-token step, and choose_k picked k = 3 for a draft that
-    then measured 1.12x (k = 1 gave it 1.21x in another run; interleaved, choose_k picked k = 1: 1.27x)."""
+    kind alike; each figure is a median over the passes. Timed kind after kind instead, on a shared 2-core VM,
+    drift made a longer verification look cheaper than a single step, and choose_k then picked a k that ran
+    slower than the k it picks with interleaved timing (docs/results/history.md)."""
 
     device = ids.device
     with torch.inference_mode(), fast_linears(target, draft):  # the layers the decoders use

@@ -161,8 +161,8 @@ def train_minutes(budget: float, spent: float, eval_minutes: float, recipe_cap: 
 def estimate_eval_minutes(eval_cfg) -> float:
     """The evaluation stage's expected minutes: a target-only decode of every prompt at the target's step time
     (measured now: 16 cached steps after a 64-token prompt) for the baseline and for each k it times, plus half
-    a baseline more for the rest (cost calibration, choose_k, warm-up). On a 2-core AVX2 EPYC this estimated 7.9
-    min for a full demo's evaluation that took 5.2, and 1.1 for a quick demo's that took 1.4."""
+    a baseline more for the rest (cost calibration, choose_k, warm-up). A rough figure, on the generous side for
+    a full demo and short for a quick one (docs/results/history.md); the demo's summary prints what eval took."""
     import torch
 
     from specdec.decode import target_generate

