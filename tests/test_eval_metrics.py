@@ -172,8 +172,9 @@ class _DriftingClock:
 
 
 def test_measure_costs_interleaves_forwards_so_drift_hits_every_kind_alike():
-    """Timed kind after kind, this drift made v(5) 1.76 for a true 1.36 (on a real VM it once made a 4-token
-    verification cost 0.84 of a one-token step); interleaved, every ratio stays within 5% of the true one."""
+    """Timed kind after kind, this simulated drift made v(5) 1.76 for a true 1.36 (on a shared VM real drift once
+    made a longer verification look cheaper than a one-token step); interleaved, every ratio stays within 5% of
+    the true one."""
     target, draft, clock = tiny_llama(seed=0), tiny_llama(seed=1, layers=1), _DriftingClock()
     clock.charge(target, base=10.0, per_token=1.0)
     clock.charge(draft, base=2.0, per_token=0.0)
