@@ -191,7 +191,8 @@ def _print_summary(report: dict, eval_dir: Path, draft_dir: Path, timings: dict[
         "=== specdec demo: summary ===",
         f"target            {config.get('target')}",
         f"draft             {draft_dir}",
-        f"k                 {config.get('num_draft_tokens')}",
+        (f"tree              {config['tree']} (depth {config.get('num_draft_tokens')})" if config.get("tree")
+         else f"k                 {config.get('num_draft_tokens')}"),
         f"acceptance rate   {spec.get('acceptance_rate', float('nan')):.3f}",
         f"mean accepted     {spec.get('mean_accepted_tokens', float('nan')):.2f} tokens per round",
         f"speedup           {report.get('speedup', float('nan')):.2f}x vs the target alone (same run, same prompts)",

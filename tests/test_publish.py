@@ -201,6 +201,14 @@ def test_card_results_come_from_the_report():
     assert "num_assistant_tokens = 5" in card and "--num-draft-tokens 5" in card
 
 
+def test_a_report_measured_with_a_tree_says_so_and_engines_get_its_depth():
+    report = {**REPORT, "config": {**REPORT["config"], "num_draft_tokens": 2, "tree": "4x1"}}
+    card = render_card(_info(), report)
+    assert "4x1 (depth 2)" in _section(card, "Results") and "| k (draft tokens per round)" not in card
+    assert 'tree="4x1"' in card and "tree=4x1 --max-new-tokens" in card
+    assert '"num_speculative_tokens": 2' in card  # vLLM runs the draft as a chain of the tree's depth
+
+
 def test_card_without_report_states_no_figures():
     card = render_card(_info(), None)
     results = _section(card, "Results")

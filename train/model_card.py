@@ -106,7 +106,10 @@ def _results(report: dict | None) -> list[str]:
         ("mean accepted tokens per round (incl. correction/bonus)",
          _fmt(_get(report, "speculative.mean_accepted_tokens"), ".2f")),
         ("speedup (baseline time / speculative time)", _fmt(_get(report, "speedup"), ".2f", "x")),
-        ("k (draft tokens per round)", _fmt(_get(report, "config.num_draft_tokens"), "d")),
+        *([("draft tree (specdec's decoder; engines run the draft as a chain of its depth)",
+            f"{_get(report, 'config.tree')} (depth {_fmt(_get(report, 'config.num_draft_tokens'), 'd')})")]
+          if _get(report, "config.tree") else
+          [("k (draft tokens per round)", _fmt(_get(report, "config.num_draft_tokens"), "d"))]),
         ("target-only tokens/s", _fmt(_get(report, "baseline.tokens_per_s"), ".1f")),
         ("speculative tokens/s", _fmt(_get(report, "speculative.tokens_per_s"), ".1f")),
         ("latency p50 target-only / speculative (s)",
@@ -198,7 +201,8 @@ def _head_section(info: CardInfo) -> list[str]:
     return lines + [""]
 
 
-def _snippets(info: CardInfo, k: int) -> list[str]:
+def _snippets(info: CardInfo, k: int, tree: str | None = None) -> list[str]:
+    """Usage snippets; `tree`: the draft tree the report measured in specdec's decoder (the engines run a chain)."""
     draft, target = info.model_ref, info.target_ref
     q = json.dumps  # Python string literals in double quotes, like the rest of the snippets
     # specdec reads a reduced draft's id map from a local folder: download a Hub copy first.
@@ -211,7 +215,7 @@ def _snippets(info: CardInfo, k: int) -> list[str]:
         "```bash",
         *([f"hf download {draft} --local-dir {cli_draft}"] if local else []),
         f"specdec eval --target {info.target} --draft {cli_draft} --prompts prompts.jsonl \\",
-        f"    --num-draft-tokens {k} --max-new-tokens 256 --out runs/eval",
+        f"    {f'tree={tree}' if tree else f'--num-draft-tokens {k}'} --max-new-tokens 256 --out runs/eval",
         "```",
         "",
         "```python",
@@ -223,7 +227,8 @@ def _snippets(info: CardInfo, k: int) -> list[str]:
         f"target, draft = load_model({q(info.target)}), load_model({py_draft})",
         'ids = tok.apply_chat_template([{"role": "user", "content": "Hello!"}], add_generation_prompt=True,',
         '                              return_tensors="pt", return_dict=True)["input_ids"].to(target.device)',
-        f"out = speculative_generate(target, draft, ids, num_draft_tokens={k}, max_new_tokens=128,",
+        f"out = speculative_generate(target, draft, ids, {f'tree={q(tree)}' if tree else f'num_draft_tokens={k}'}, "
+        "max_new_tokens=128,",
         "                           sampling=SamplingConfig(temperature=0.0), eos_token_id=tok.eos_token_id)",
         "print(tok.decode(out.sequences[0, out.prompt_length:]), out.stats.as_dict())",
         "```",
@@ -348,7 +353,8 @@ def render_card(info: CardInfo, report: dict | None = None) -> str:
     ]
     lines += _results(report)
     lines += _head_section(info)
-    lines += _snippets(info, k)
+    tree = _get(report, "config.tree")
+    lines += _snippets(info, k, tree if isinstance(tree, str) else None)
     if info.base_model is None:
         lines += ["The target is not a Hub model, so the snippets load it from "
                   f"`{info.target_ref}`: replace that with where your copy of the target lives.", ""]
