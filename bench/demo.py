@@ -92,6 +92,7 @@ def main() -> None:
     parser.add_argument("--skip-demo", action="store_true", help="read a finished demo in --out")
     parser.add_argument("--vllm-prompts", type=int, default=16, help="held-out prompts in vLLM (0: skip vLLM)")
     parser.add_argument("--vllm-new-tokens", type=int, default=64)
+    parser.add_argument("--results-name", default="demo", help="docs/results/<date>-<name>.md")
     parser.add_argument("demo_args", nargs="*", help="passed to `specdec demo` (e.g. minutes=45)")
     args = parser.parse_args()
     out = Path(args.out)
@@ -102,7 +103,7 @@ def main() -> None:
     if args.vllm_prompts:
         body += "\n\n" + vllm_section(out, args.vllm_prompts, args.vllm_new_tokens)
     print(body)
-    print(f"\nwritten to {results.write('demo', '', body, provenance)}")
+    print(f"\nwritten to {results.write(args.results_name, '', body, provenance)}")
 
 
 if __name__ == "__main__":
