@@ -326,16 +326,25 @@ def _tree_inputs(target, draft, input_ids, attention_mask, spec: TreeSpec):
     return input_ids, attention_mask
 
 
-def _speculate(target, drafter, batch, k, sampling, generator, stats, clock, trace) -> GenerateOutput:
-    kwarg, rounds = cache_kwarg(target), []
+def _begin(target, drafter, batch, sampling, generator, stats, clock):
+    """The target's prefill and first token, then the drafter's start: (cache kwarg, target cache, live tokens
+    so far (tau counts tokens from rounds only), target vocabulary, the drafter's failure or None)."""
+    kwarg = cache_kwarg(target)
     t_cache, logits = prefill(target, batch, kwarg)
     stats.target_forwards += 1
     clock.mark(batch.append(next_token(logits, sampling, generator)[:, None]))
-    first_tokens = batch.live_appended.clone()  # tau counts tokens from rounds only
-    vocab = target.get_output_embeddings().out_features
+    first_tokens, vocab = batch.live_appended.clone(), target.get_output_embeddings().out_features
     try:
         drafter.start(batch)
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:  # noqa: BLE001 - any draft failure means target-only for the rest
+        return kwarg, t_cache, first_tokens, vocab, err
+    return kwarg, t_cache, first_tokens, vocab, None
+
+
+def _speculate(target, drafter, batch, k, sampling, generator, stats, clock, trace) -> GenerateOutput:
+    rounds = []
+    kwarg, t_cache, first_tokens, vocab, err = _begin(target, drafter, batch, sampling, generator, stats, clock)
+    if err is not None:
         return _fall_back(err, target, t_cache, batch, sampling, generator, stats, clock, kwarg, rounds)
 
     while not batch.done():
@@ -383,15 +392,9 @@ def _speculate(target, drafter, batch, k, sampling, generator, stats, clock, tra
 
 def _speculate_tree(target, drafter, batch, spec, sampling, generator, stats, clock, trace) -> GenerateOutput:
     """Tree rounds (batch 1): grow the tree, verify it in one target forward, keep the accepted path's KV."""
-    kwarg, rounds, device = cache_kwarg(target), [], batch.seq.device
-    t_cache, logits = prefill(target, batch, kwarg)
-    stats.target_forwards += 1
-    clock.mark(batch.append(next_token(logits, sampling, generator)[:, None]))
-    first_tokens = batch.live_appended.clone()
-    vocab = target.get_output_embeddings().out_features
-    try:
-        drafter.start(batch)
-    except Exception as err:  # noqa: BLE001
+    rounds, device = [], batch.seq.device
+    kwarg, t_cache, first_tokens, vocab, err = _begin(target, drafter, batch, sampling, generator, stats, clock)
+    if err is not None:
         return _fall_back(err, target, t_cache, batch, sampling, generator, stats, clock, kwarg, rounds)
 
     while not batch.done():

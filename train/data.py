@@ -881,6 +881,31 @@ class _Progress:
         self.bar.close()
 
 
+def _manifest_base(cfg: DataConfig, settings: dict, fingerprint: str, num_prompts: int, skipped: list[str],
+                   num_items: int, num_shards: int) -> dict:
+    """The manifest of a run before any shard: its settings, what it read and how it splits the work."""
+    return {
+        "format": FORMAT,
+        "target": cfg.target,
+        "settings": settings,
+        "generation": {k: settings[k] for k in ("temperature", "top_k", "top_p", "max_new_tokens", "num_samples",
+                                                  "seed", "top_logprobs", "use_chat_template", "backend", "dtype")},
+        "top_logprobs_of": "log_softmax of the target's raw logits (temperature 1, no top-k/top-p)",
+        "features": {"layer_ids": cfg.eagle_aux_layer_ids, "dtype": "float16",
+                     "of": "the final norm's output, then the residual stream after each of layer_ids, at the "
+                           "positions fed to the target"}
+        if cfg.record_features else None,
+        "prompt_source": {"prompts": cfg.prompts, "split": cfg.split, "column_map": cfg.column_map,
+                          "spec_bench_turns": cfg.spec_bench_turns, "limit": cfg.limit},
+        "counts": {"prompts": num_prompts, "skipped_too_long": len(skipped), "work_items": num_items,
+                   "examples": 0, "generated_tokens": 0, "dropped_turns": 0},
+        "skipped_prompt_ids": skipped,
+        "num_shards": num_shards,
+        "shard_size": cfg.shard_size,
+        "fingerprint": fingerprint,
+    }
+
+
 def run(cfg: DataConfig) -> dict:
     """Generate (or finish generating) the dataset; returns the manifest."""
 
@@ -906,26 +931,7 @@ def run(cfg: DataConfig) -> dict:
     settings = _settings(cfg)
     fingerprint = hashlib.sha256(json.dumps([settings, prompt_digest], sort_keys=True).encode()).hexdigest()
     num_shards = math.ceil(len(items) / cfg.shard_size)
-    base = {
-        "format": FORMAT,
-        "target": cfg.target,
-        "settings": settings,
-        "generation": {k: settings[k] for k in ("temperature", "top_k", "top_p", "max_new_tokens", "num_samples",
-                                                  "seed", "top_logprobs", "use_chat_template", "backend", "dtype")},
-        "top_logprobs_of": "log_softmax of the target's raw logits (temperature 1, no top-k/top-p)",
-        "features": {"layer_ids": cfg.eagle_aux_layer_ids, "dtype": "float16",
-                     "of": "the final norm's output, then the residual stream after each of layer_ids, at the "
-                           "positions fed to the target"}
-        if cfg.record_features else None,
-        "prompt_source": {"prompts": cfg.prompts, "split": cfg.split, "column_map": cfg.column_map,
-                          "spec_bench_turns": cfg.spec_bench_turns, "limit": cfg.limit},
-        "counts": {"prompts": len(prompts), "skipped_too_long": len(skipped), "work_items": len(items),
-                   "examples": 0, "generated_tokens": 0, "dropped_turns": 0},
-        "skipped_prompt_ids": skipped,
-        "num_shards": num_shards,
-        "shard_size": cfg.shard_size,
-        "fingerprint": fingerprint,
-    }
+    base = _manifest_base(cfg, settings, fingerprint, len(prompts), skipped, len(items), num_shards)
     out = Path(cfg.output_dir)
     if procs.is_main:
         manifest = _prepare_output(cfg, settings, fingerprint, base)

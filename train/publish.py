@@ -308,6 +308,32 @@ def publish(cfg: PublishConfig) -> Path:
     draft_dir, out = Path(cfg.draft).expanduser(), Path(cfg.out).expanduser()
     _check_paths(draft_dir, out, cfg.overwrite)
     report = _read_report(cfg.report)
+    target = _target_of(cfg, report)
+    tokenizer = _load_tokenizer(draft_dir, target)
+    _check_target_tokenizer(tokenizer, target)
+    dtype = _checkpoint_dtype(draft_dir) if cfg.dtype == "auto" else models.resolve_dtype(cfg.dtype)
+    log.info("loading draft %s (%s)", draft_dir, dtype)
+    model = models.load_model(str(draft_dir), dtype=dtype, device="cpu")
+    # A draft class the engines run by its own method (EAGLE-3) says so, and reads its reduced vocabulary there;
+    # a plain causal LM is vLLM's `draft_model`, and only specdec reads its id map.
+    method = getattr(model, "vllm_method", "draft_model")
+    head, num_kept, expansion = _prepare_head(cfg, model, tokenizer, method)
+    save_options = _save_options(cfg, method, model, target, report)
+    _fill_generation_config(model, tokenizer)
+    info = _card_info(cfg, out, model, target, dtype, head, num_kept, expansion, method)
+    provenance = {"source": str(draft_dir), "target": target, "recipe": info.recipe, "data": info.data,
+                  "head": head, "draft_vocab_size": num_kept, "expansion": expansion,
+                  "specdec_version": specdec.__version__}
+    _write_folder(out, model, tokenizer, save_options, render_card(info, report), report, provenance)
+    log.info("published %s (%s head) to %s", draft_dir, head, out)
+    if cfg.push_to_hub:
+        url = push_to_hub(out, cfg.push_to_hub, cfg.private)
+        log.info("pushed %s to %s", out, url)
+    return out
+
+
+def _target_of(cfg: PublishConfig, report: dict | None) -> str:
+    """--target, else the target the report measured."""
     report_target = (report.get("config") or {}).get("target") if report else None
     target = cfg.target or report_target
     if target is None:
@@ -316,18 +342,14 @@ def publish(cfg: PublishConfig) -> Path:
     if cfg.target and report_target and cfg.target != report_target:
         log.warning("the report measured target %s but --target is %s: the card will state %s",
                     report_target, cfg.target, cfg.target)
+    return target
 
-    tokenizer = _load_tokenizer(draft_dir, target)
-    _check_target_tokenizer(tokenizer, target)
-    dtype = _checkpoint_dtype(draft_dir) if cfg.dtype == "auto" else models.resolve_dtype(cfg.dtype)
-    log.info("loading draft %s (%s)", draft_dir, dtype)
-    model = models.load_model(str(draft_dir), dtype=dtype, device="cpu")
+
+def _prepare_head(cfg: PublishConfig, model, tokenizer, method: str) -> tuple[str, int | None, dict | None]:
+    """The head to publish: full, reduced (with its id map) or expanded from a reduced one (--full-vocab-head,
+    checked to keep greedy proposals). Returns (head, kept ids or None, the expansion's check or None)."""
     keep = vocab.draft_to_target_map(model)
     num_kept = None if keep is None else int(keep.numel())
-    head, expansion = "full" if keep is None else "reduced", None
-    # A draft class the engines run by its own method (EAGLE-3) says so, and reads its reduced vocabulary there;
-    # a plain causal LM is vLLM's `draft_model`, and only specdec reads its id map.
-    method = getattr(model, "vllm_method", "draft_model")
     engines_map_ids = method != "draft_model"
     if keep is not None and cfg.full_vocab_head and not engines_map_ids:
         reduced_weight = model.get_output_embeddings().weight.detach().clone()
@@ -340,27 +362,33 @@ def publish(cfg: PublishConfig) -> Path:
             log.warning("the expanded head puts up to %.2g of the probability on dropped ids: greedy proposals are "
                         "unchanged, sampled ones may be accepted less often (noted in the card)",
                         expansion["max_dropped_mass"])
-        head = "expanded"
-    elif cfg.full_vocab_head:
+        return "expanded", num_kept, expansion
+    if cfg.full_vocab_head:
         log.info("full_vocab_head changes nothing here: %s", "the draft's head is already full" if keep is None
                  else f"the engines map this {method} draft's {num_kept} ids themselves")
-    elif head == "reduced" and not engines_map_ids:
+    elif keep is not None and not engines_map_ids:
         log.warning("exporting the reduced head (%d ids) with its id map: only specdec loads it; pass "
                     "--full-vocab-head for transformers, vLLM and SGLang", num_kept)
-    save_options = {}
-    if cfg.format == "speculators":
-        if method != "eagle3":
-            raise ValueError("format=speculators is a layout of EAGLE-3 drafts; a plain draft is published as a "
-                             "transformers checkpoint (drop format=)")
-        save_options = {"format": "speculators", "speculators": {
-            "verifier": _base_model(target) or str(Path(models.resolve_path(target)).resolve()),
-            "verifier_architectures": list(getattr(model.config, "target_architectures", None) or
-                                           ["LlamaForCausalLM"]),
-            "num_draft_tokens": num_draft_tokens(report)}}
-    _fill_generation_config(model, tokenizer)
+    return ("full" if keep is None else "reduced"), num_kept, None
 
-    recipe = cfg.recipe
-    info = CardInfo(
+
+def _save_options(cfg: PublishConfig, method: str, model, target: str, report: dict | None) -> dict:
+    """models.save_model's options: the speculators layout when asked (EAGLE-3 drafts only)."""
+    if cfg.format != "speculators":
+        return {}
+    if method != "eagle3":
+        raise ValueError("format=speculators is a layout of EAGLE-3 drafts; a plain draft is published as a "
+                         "transformers checkpoint (drop format=)")
+    return {"format": "speculators", "speculators": {
+        "verifier": _base_model(target) or str(Path(models.resolve_path(target)).resolve()),
+        "verifier_architectures": list(getattr(model.config, "target_architectures", None) or
+                                       ["LlamaForCausalLM"]),
+        "num_draft_tokens": num_draft_tokens(report)}}
+
+
+def _card_info(cfg: PublishConfig, out: Path, model, target: str, dtype, head: str, num_kept: int | None,
+               expansion: dict | None, method: str) -> CardInfo:
+    return CardInfo(
         name=cfg.push_to_hub or out.name,
         model_ref=cfg.push_to_hub or str(out),
         target=target,
@@ -375,8 +403,8 @@ def publish(cfg: PublishConfig) -> Path:
         head=head,
         draft_vocab_size=num_kept,
         expansion=expansion,
-        recipe=recipe,
-        data=cfg.data or _recipe_data(recipe),
+        recipe=cfg.recipe,
+        data=cfg.data or _recipe_data(cfg.recipe),
         license=cfg.license.strip(),
         model_on_hub=cfg.push_to_hub is not None,
         method=method,
@@ -384,25 +412,22 @@ def publish(cfg: PublishConfig) -> Path:
         layer_ids=list(getattr(model, "layer_ids", []) or []),
         format=cfg.format,
     )
+
+
+def _write_folder(out: Path, model, tokenizer, save_options: dict, card: str, report: dict | None,
+                  provenance: dict) -> None:
+    """Everything into a temporary folder beside OUT, then swapped in: a failed export leaves OUT as it was."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         models.save_model(model, tokenizer, tmp, **save_options)  # weights, config, tokenizer (+ a plain id map)
-        (tmp / "README.md").write_text(render_card(info, report))
+        (tmp / "README.md").write_text(card)
         if report is not None:
             (tmp / "specdec_eval_report.json").write_text(json.dumps(report, indent=2))
-        provenance = {"source": str(draft_dir), "target": target, "recipe": info.recipe, "data": info.data,
-                      "head": head, "draft_vocab_size": num_kept, "expansion": expansion,
-                      "specdec_version": specdec.__version__}
         (tmp / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2))
         _replace_folder(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    log.info("published %s (%s head) to %s", draft_dir, head, out)
-    if cfg.push_to_hub:
-        url = push_to_hub(out, cfg.push_to_hub, cfg.private)
-        log.info("pushed %s to %s", out, url)
-    return out
 
 
 def main(argv: list[str]) -> int:
