@@ -134,13 +134,17 @@ def main() -> None:
                 if index > 0:  # prompt 0 is the warm-up
                     seconds[name] += elapsed
                     tokens[name] += len(new)
-    stats = stats[1:]
 
+    report(args, modes, seconds, tokens, stats[1:], forward_share, len(encoded) - 1)
+
+
+def report(args, modes, seconds: dict, tokens: dict, stats: list, forward_share: list[float], prompts: int) -> None:
+    """The table of tokens/s and ratios measured in this run, then the speculative counters."""
     rate = {name: tokens[name] / seconds[name] for name in modes}
     print(f"\nmachine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, {args.dtype}, "
           f"torch {torch.__version__}; target {args.target}; draft "
           f"{args.draft or 'layers ' + args.layers + ' of the target'}; greedy, batch 1, k={args.k}, "
-          f"{len(encoded) - 1} prompts x {args.max_new_tokens} new tokens (+1 warm-up)\n")
+          f"{prompts} prompts x {args.max_new_tokens} new tokens (+1 warm-up)\n")
     print("| mode | tokens/s | vs target alone | vs transformers assisted |\n|---|---|---|---|")
     for name in modes:
         print(f"| {name} | {rate[name]:.1f} | {rate[name] / rate['target alone']:.2f}x | "
@@ -150,7 +154,6 @@ def main() -> None:
     outside = 1 - statistics.median(forward_share[1:])
     print(f"\nspecdec: acceptance rate {accepted:.3f}, mean accepted tokens {tau:.2f}, "
           f"time outside forward calls {100 * outside:.1f}% of the call (median over prompts)")
-
 
 if __name__ == "__main__":
     main()
