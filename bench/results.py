@@ -4,6 +4,7 @@ needs to be checked (date, git commit, CPU model, torch, the exact command)."""
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import platform
 import shlex
 import subprocess
@@ -26,8 +27,6 @@ def cpu_model() -> str:
             if "avx2" in flags else "no AVX2"
     except OSError:
         extra = "flags unknown"
-    import os
-
     return f"{name} ({extra}, {os.cpu_count()} cores)"
 
 
@@ -46,7 +45,9 @@ def header(title: str) -> str:
     """The provenance block every results file starts with."""
     import torch
 
-    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    # settings that change what runs (SPECDEC_FAST_LINEAR=0, ...) belong to the command
+    env = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items()) if k.startswith("SPECDEC_")]
+    command = " ".join([*env, "python", *(shlex.quote(a) for a in sys.argv)])
     return "\n".join([
         f"# {title}", "",
         f"- date: {_dt.datetime.now().strftime('%Y-%m-%d %H:%M')}",
