@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from specdec.eval import engine_markdown
-from specdec.tree import TreeSpec
+from specdec.eval import engine_markdown, proposals
 
 FORMULA = (
     "Analytical speedup (Leviathan et al. 2022, with per-position acceptance and a measured verify cost):\n\n"
@@ -33,15 +32,14 @@ def _ms(x) -> str:
 
 
 def _proposal(p) -> str:
-    return f"tree {p}" if isinstance(p, str) else f"k = {p}"
+    return f"tree {p}" if proposals.is_tree(p) else f"k = {p}"
 
 
 def _choose_k_lines(ck: dict | None) -> list[str]:
     """How k (or a tree) was chosen (choose_k, choose_tree): the calibration table, before any timed run."""
     if not ck:
         return []
-    nodes = {str(p): (str(_tree_nodes(p)) if isinstance(p, str) else str(p)) for p in ck["candidates"]}
-    rows = [f"| {_proposal(p)} | {ck['tau'][str(p)]:.3f} | {ck['v'][nodes[str(p)]]:.3f} | "
+    rows = [f"| {_proposal(p)} | {ck['tau'][str(p)]:.3f} | {ck['v'][str(proposals.verified_nodes(p))]:.3f} | "
             f"{ck['predicted_speedup'][str(p)]:.3f} |" for p in ck["candidates"]]
     lines = [f"{_proposal(ck['chosen'])} was chosen before the timed runs by predicted speedup tau / (d c + v(n+1)) "
              f"(d draft forwards and n verified tokens per round): tau from the draft teacher-forced on the "
@@ -51,10 +49,6 @@ def _choose_k_lines(ck: dict | None) -> list[str]:
         gain = ck["predicted_speedup"][ck["chosen"]] / ck["predicted_speedup"][str(best_chain)]
         lines.append(f"The tree is predicted {gain:.3f}x the best chain's speed (k = {best_chain}).")
     return [*lines, "", "| proposal | tau | v(n+1) | predicted speedup |", "|---|---:|---:|---:|", *rows, ""]
-
-
-def _tree_nodes(p: str) -> int:
-    return TreeSpec.parse(p).max_nodes
 
 
 def to_markdown(r: dict) -> str:

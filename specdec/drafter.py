@@ -77,6 +77,7 @@ class Drafter:
         raise NotImplementedError
 
     def to_target_ids(self, local: torch.Tensor) -> torch.Tensor:
+        """Draft head rows -> target ids (the identity without an id map)."""
         return local if self.id_map is None else self.id_map[local]
 
     def log_probs(self, logits: torch.Tensor) -> torch.Tensor:
@@ -94,7 +95,7 @@ class Drafter:
             q_local = probabilities(logits, self.sampling)
             local = sample_from(q_local, generator)
             qs.append(self.to_target_space(q_local))
-        return local if self.id_map is None else self.id_map[local]
+        return self.to_target_ids(local)
 
     def to_target_space(self, q_local: torch.Tensor) -> torch.Tensor:
         """q over the draft's head -> q over the target's vocabulary, zero outside the draft's ids.  [B, V]"""

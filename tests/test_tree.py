@@ -9,9 +9,11 @@ from transformers import DynamicCache
 
 import specdec.tree
 from specdec import SamplingConfig, replay, speculative_generate, target_generate
+from specdec.decode import DecodeStats, TreeTrace
+from specdec.drafter import make_drafter
 from specdec.eagle3 import Eagle3Draft
 from specdec.eval import verify as verify_cmd
-from specdec.kv import cache_kwarg, forward_masked, keep_path
+from specdec.kv import Batch, cache_kwarg, forward_masked, keep_path, prefill
 from specdec.tree import Tree, TreeSpec, emitted_distribution, sampled_walk, without
 from specdec.vocab import apply_reduced_head
 
@@ -30,22 +32,17 @@ def test_tree_shapes_parse_and_refuse_with_a_fix():
             TreeSpec.parse(bad)
 
 
-class _Stats:
-    draft_forwards = 0
-
-
 def _grown(target, draft, spec: str, prompt=(3, 4, 5, 6)) -> Tree:
-    from specdec.drafter import make_drafter
-    from specdec.kv import Batch, prefill
-    from specdec.sampling import SamplingConfig as Sampling
-
     batch = Batch(torch.tensor([prompt]), None, 8, 8, None, 0)
-    drafter = make_drafter(draft, target, Sampling())
+    drafter = make_drafter(draft, target, SamplingConfig())
     prefill(target, batch, cache_kwarg(target))
     batch.append(torch.tensor([[7]]))
     drafter.start(batch)
     spec = TreeSpec.parse(spec)
-    return specdec.tree.grow(drafter, batch, spec, spec.max_depth, _Stats())
+    stats = DecodeStats()
+    tree = specdec.tree.grow(drafter, batch, spec, spec.max_depth, stats)
+    assert stats.draft_forwards == spec.max_depth  # the root, then one forward per level fed
+    return tree
 
 
 @pytest.mark.parametrize("kind", ["plain", "eagle3"])
@@ -109,8 +106,6 @@ def test_greedy_tree_decoding_equals_the_target_alone(target, draft, tree, kind)
 
 
 def test_a_tree_round_describes_itself():
-    from specdec.decode import TreeTrace
-
     tree = Tree()
     for token, parent in [(9, -1), (11, -1), (13, 0), (15, 1)]:
         tree.add(token, parent, -0.5)
