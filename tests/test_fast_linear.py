@@ -1,21 +1,108 @@
-"""The scoped CPU linear fast path: same outputs as nn.Linear, patched only inside the block, never clobbering."""
+"""The scoped CPU linear fast path: same outputs as nn.Linear, kernels chosen by measurement, patched only inside
+the block, never clobbering."""
+
+import time
 
 import pytest
 import torch
 from conftest import tiny_llama
 
-from specdec.fast_linear import MAX_HEAD_ROWS, MAX_ROWS, PAD_ROWS, fast_linears, linear_forward
+import specdec.fast_linear as fl
+from specdec.fast_linear import F_LINEAR, MAX_ROWS, calibrate, choose, fast_linears, linear_forward
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, MAX_ROWS, MAX_ROWS + 1, MAX_HEAD_ROWS + 1, 40])
+@pytest.fixture(autouse=True)
+def fresh_choices(monkeypatch):
+    """Each test measures for itself: the process-wide choices are emptied, and restored afterwards."""
+    monkeypatch.setattr(fl, "_choices", {})
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, MAX_ROWS])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_forward_equals_linear(rows, bias):
+def test_every_plan_equals_linear(rows, bias):
     torch.manual_seed(rows)
     layer = torch.nn.Linear(24, 300, bias=bias)
     x = torch.randn(1, rows, 24)
-    for max_rows in (MAX_ROWS, MAX_HEAD_ROWS):
-        torch.testing.assert_close(linear_forward(layer, x, max_rows), layer(x), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(linear_forward(layer, x[0, :1], max_rows), layer(x[0, :1]), rtol=1e-5, atol=1e-5)
+    for plan in (F_LINEAR, rows, rows + 1, rows + 4):  # F.linear, W @ x^T, padded by one row and by more
+        torch.testing.assert_close(linear_forward(layer, x, plan), layer(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(linear_forward(layer, x[0], plan), layer(x[0]), rtol=1e-5, atol=1e-5)
+
+
+def test_padded_plans_compute_the_padded_rows(monkeypatch):
+    """A padded plan runs the product on `plan` rows, and only the real ones come back."""
+    widths, matmul = [], fl._matmul
+    monkeypatch.setattr(fl, "_matmul", lambda w, xt: widths.append(xt.shape[-1]) or matmul(w, xt))
+    layer = torch.nn.Linear(16, 40)
+    x = torch.randn(3, 16)
+    out = linear_forward(layer, x, 4)
+    assert widths == [4] and out.shape == (3, 40)
+    torch.testing.assert_close(out, layer(x), rtol=1e-5, atol=1e-5)
+
+
+def test_choose_keeps_f_linear_unless_another_clearly_wins():
+    assert choose({F_LINEAR: 1.0, 3: 0.5, 4: 0.7}) == 3
+    assert choose({F_LINEAR: 1.0, 3: 0.97}) == F_LINEAR  # within the margin: not worth a different kernel
+    assert choose({F_LINEAR: 1.0, 3: 1.4}) == F_LINEAR
+
+
+def _slowed(kernel, seconds):
+    def slow(*args):
+        time.sleep(seconds)
+        return kernel(*args)
+    return slow
+
+
+@pytest.mark.parametrize("slow", ["_linear", "_matmul"])
+def test_the_measured_faster_kernel_is_kept(slow, monkeypatch):
+    """With one kernel made slow the measurement picks the other, at every row count it is asked about."""
+    monkeypatch.setattr(fl, slow, _slowed(getattr(fl, slow), 0.002))
+    model = tiny_llama(seed=0)
+    with torch.inference_mode(), fast_linears(model):
+        model(input_ids=torch.tensor([[5, 9, 11]]))  # 3 rows
+        model(input_ids=torch.tensor([[5]]))
+    kept = {entry["kernel"] for entry in fl.choices()}
+    assert {entry["rows"] for entry in fl.choices()} == {1, 3}
+    if slow == "_matmul":
+        assert kept == {"F.linear"}
+    else:
+        assert kept and "F.linear" not in kept
+    assert "CPU linear kernels kept" in fl.summary()
+
+
+def test_each_shape_and_row_count_is_measured_once(monkeypatch):
+    measured, measure = [], fl._measure
+    monkeypatch.setattr(fl, "_measure", lambda layers, rows: measured.append((len(layers), rows)) or
+                        measure(layers, rows))
+    model = tiny_llama(seed=0, layers=3)
+    ids = torch.tensor([[5, 9]])
+    with torch.inference_mode(), fast_linears(model, model):
+        ref = model(input_ids=ids).logits
+        model(input_ids=ids)
+    with torch.inference_mode(), fast_linears(model):
+        torch.testing.assert_close(model(input_ids=ids).logits, ref)
+    shapes = {(m.out_features, m.in_features) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    assert len(measured) == len(shapes) and {rows for _, rows in measured} == {2}
+    assert sum(count for count, _ in measured) == sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    calibrate(model, rows=[2, MAX_ROWS + 1])  # already known, and beyond MAX_ROWS: nothing new
+    assert len(measured) == len(shapes)
+    calibrate(model, rows=[4])
+    assert len(measured) == 2 * len(shapes)
+
+
+def test_measuring_leaves_the_global_rng_alone():
+    model = tiny_llama(seed=0)
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    calibrate(model, rows=[1, 2, 3])
+    assert fl.choices() and torch.equal(torch.rand(3), expected)
+
+
+def test_a_bad_switch_value_says_what_to_use(monkeypatch):
+    monkeypatch.setenv("SPECDEC_FAST_LINEAR", "yes")
+    with pytest.raises(ValueError, match="use 1 .* or 0"):
+        with fast_linears(tiny_llama(seed=0)):
+            pass
 
 
 def _patched(model) -> list[str]:
@@ -56,35 +143,18 @@ def test_fast_linears_can_be_switched_off(monkeypatch):
         assert _patched(model) == []
 
 
-def test_the_head_keeps_more_rows_on_the_fast_path(monkeypatch):
-    import specdec.fast_linear as fl
-
-    limits = {}
-
-    def recording(self, x, max_rows):
-        limits[self] = max_rows
-        return torch.nn.functional.linear(x, self.weight, self.bias)
-
-    monkeypatch.setattr(fl, "linear_forward", recording)
-    model = tiny_llama(seed=0)
-    with fast_linears(model):
-        model(input_ids=torch.tensor([[5, 9]]))
-    assert limits.pop(model.get_output_embeddings()) == MAX_HEAD_ROWS
-    assert limits and set(limits.values()) == {MAX_ROWS}
-
-
 def test_the_decoders_use_the_fast_path_and_restore_it(monkeypatch):
-    import specdec.fast_linear as fl
     from specdec import speculative_generate, target_generate
 
     calls = []
 
-    def counting(self, x, max_rows):
+    def counting(self, x, plan=F_LINEAR):
         calls.append(x.reshape(-1, x.shape[-1]).shape[0])
-        return linear_forward(self, x, max_rows)
+        return linear_forward(self, x, plan)
 
-    monkeypatch.setattr(fl, "linear_forward", counting)
     target, draft = tiny_llama(seed=0), tiny_llama(seed=1, layers=1)
+    calibrate(target, draft, rows=range(1, 5))  # measured first, so only the decoders' own calls are counted
+    monkeypatch.setattr(fl, "linear_forward", counting)
     ids = torch.tensor([[5, 9, 11]])
     linears = [m for m in target.modules() if isinstance(m, torch.nn.Linear)]
     ref = target_generate(target=target, input_ids=ids, max_new_tokens=6)  # keywords bind too
@@ -95,21 +165,3 @@ def test_the_decoders_use_the_fast_path_and_restore_it(monkeypatch):
     assert torch.equal(out.sequences, ref.sequences)
     assert 4 in calls  # a verification forward of k + 1 rows went through the fast path
     assert _patched(target) == [] and _patched(draft) == []
-
-
-@pytest.mark.parametrize("rows", [1, 3, 7])
-def test_slow_row_counts_are_computed_padded_to_the_next_even_one(rows, monkeypatch):
-    """1, 3 and 7 rows take a slower BLAS kernel than 2, 4 and 8 (PAD_ROWS): the product runs on the padded
-    rows, and only the real ones come back."""
-    widths, matmul = [], torch.matmul
-
-    def recording(a, b):
-        widths.append(b.shape[-1])
-        return matmul(a, b)
-
-    monkeypatch.setattr(torch, "matmul", recording)
-    layer = torch.nn.Linear(16, 40)
-    x = torch.randn(rows, 16)
-    out = linear_forward(layer, x)
-    assert widths == [PAD_ROWS[rows]] and out.shape == (rows, 40)
-    torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
