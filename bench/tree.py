@@ -2,6 +2,7 @@
 
     python bench/tree.py                                   # the demo's draft (outputs/demo/draft), as the demo evaluates
     python bench/tree.py --draft D --prompts 24 --max-new-tokens 96 --chains 1,2,3,4 --trees 3x1x1,dyn8
+    python bench/tree.py --plain                           # then the same sweep with PyTorch's F.linear everywhere
 
 Greedy, batch 1, the demo's held-out prompts (embedded:heldout) and token budget; every chain k and every tree
 shape is decoded prompt by prompt in turn with the target alone (specdec/eval/runner.py: A/B order alternating),
@@ -14,11 +15,13 @@ the draft's top-n agreement per round position there.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 import results  # bench/results.py (this script runs with bench/ on its path)
 import torch
 
+from specdec import fast_linear
 from specdec.eval import proposals
 from specdec.eval.runner import EvalConfig, choose_num_draft_tokens, run
 from specdec.eval.verify import first_turn, resolve_prompts_path
@@ -78,6 +81,9 @@ def main() -> None:
     parser.add_argument("--trees", default=DEFAULT_TREES)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--out", default="outputs/bench-tree")
+    parser.add_argument("--plain", action="store_true",
+                        help="then the same sweep again with the CPU linear fast path off (PyTorch's F.linear)")
+    parser.add_argument("--results-name", default="trees", help="docs/results/<date>-<name>.md")
     args = parser.parse_args()
     if not Path(args.draft).exists():
         raise SystemExit(f"no draft at {args.draft}: run `specdec demo` first, or pass --draft")
@@ -87,19 +93,42 @@ def main() -> None:
     cfg = EvalConfig(target=args.target, draft=args.draft, prompts="embedded:heldout", num_prompts=args.prompts,
                      max_new_tokens=args.max_new_tokens, num_draft_tokens=chains, tree=trees, dtype=args.dtype,
                      out=args.out, threads=torch.get_num_threads())
+    body = [f"Draft `{args.draft}`, target `{args.target}` ({args.dtype}), the first "
+            f"{args.prompts} held-out prompts, {args.max_new_tokens} new tokens, greedy, batch 1; one run, every row "
+            "against the same target-only calls.", ""]
     report = run(cfg)
+    body += sweep_section(report)
+    if args.plain:
+        fast_linear.ENABLED = False
+        try:
+            plain = run(dataclasses.replace(cfg, out=f"{args.out}-plain"))
+        finally:
+            fast_linear.ENABLED = True
+        body += ["## The same sweep with the CPU linear fast path off", "",
+                 "A second eval run in the same process, every layer on PyTorch's F.linear (baseline included). "
+                 "Ratios are within each run; tokens/s across the two runs are minutes apart.", "",
+                 *sweep_section(plain, kernels=False)]
+        best = {name: max(r["sweep"], key=lambda row: row["speculative_tokens_per_s"])
+                for name, r in (("measured kernels", report), ("F.linear", plain))}
+        body += ["Fastest configuration of each run: " + "; ".join(
+            f"{name}: {row['proposal']} at {row['speculative_tokens_per_s']:.2f} tokens/s (target alone "
+            f"{row['baseline_tokens_per_s']:.2f})" for name, row in best.items()) + ".", ""]
+    body += ["## What choose_k predicts (first 4 prompts, teacher-forced ranks, costs timed)", "",
+             predicted_section(cfg, [*chains, *(t for t in trees if not TreeSpec.parse(t).dynamic)])]
+    text = "\n".join(body)
+    print(text)
+    print(f"\nwritten to {results.write(args.results_name, '', text, provenance)}")
+
+
+def sweep_section(report: dict, kernels: bool = True) -> list[str]:
     table, chain, tree = sweep_table(report)
-    body = "\n".join([
-        f"Draft `{args.draft}`, target `{args.target}` ({args.dtype}), the first "
-        f"{args.prompts} held-out prompts, {args.max_new_tokens} new tokens, greedy, batch 1; one run, every row "
-        "against the same target-only calls.", "", table, "",
-        f"Best chain: {chain['proposal']} at {chain['speedup']:.3f}x; best tree: {tree['proposal']} at "
-        f"{tree['speedup']:.3f}x: the tree is **{tree['speedup'] / chain['speedup']:.3f}x** the best chain "
-        f"(tau {tree['mean_accepted_tokens']:.3f} vs {chain['mean_accepted_tokens']:.3f}).", "",
-        "## What choose_k predicts (first 4 prompts, teacher-forced ranks, costs timed)", "",
-        predicted_section(cfg, [*chains, *(t for t in trees if not TreeSpec.parse(t).dynamic)])])
-    print(body)
-    print(f"\nwritten to {results.write('trees', '', body, provenance)}")
+    lines = [table, "",
+             f"Best chain: {chain['proposal']} at {chain['speedup']:.3f}x; best tree: {tree['proposal']} at "
+             f"{tree['speedup']:.3f}x: the tree is **{tree['speedup'] / chain['speedup']:.3f}x** the best chain "
+             f"(tau {tree['mean_accepted_tokens']:.3f} vs {chain['mean_accepted_tokens']:.3f}).", ""]
+    if kernels:
+        lines += [fast_linear.summary(report["cpu_linear_kernels"]) + " (this process, specdec/fast_linear.py).", ""]
+    return lines
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from specdec import fast_linear
 from specdec.eval import engine_markdown, proposals
 
 FORMULA = (
@@ -51,28 +52,10 @@ def _choose_k_lines(ck: dict | None) -> list[str]:
     return [*lines, "", "| proposal | tau | v(n+1) | predicted speedup |", "|---|---:|---:|---:|", *rows, ""]
 
 
-def to_markdown(r: dict) -> str:
-    """report.md: verdict first, then the figures, the equivalence, the sweep, categories, method and plots."""
-    cfg, env, b, s = r["config"], r["environment"], r["baseline"], r["speculative"]
-    d, eq = r["decision"], r["equivalence"]
-    lines = [
-        "# Speculative decoding report",
-        "",
-        f"**Verdict: `{d['verdict']}`** — speedup **{r['speedup']:.2f}x** (analytical {r['analytical_speedup']:.2f}x), "
-        f"acceptance rate **{s['acceptance_rate']:.3f}**, equivalence **{_eq_word(eq)}**.",
-        "",
-        f"Target `{cfg['target']}`, draft `{cfg['draft']}`; "
-        f"{_proposal(cfg['tree']) if cfg.get('tree') else _proposal(cfg['num_draft_tokens'])}, batch size "
-        f"{cfg['batch_size']} (recommended by {cfg['recommend_by']}); {cfg['num_prompts']} prompts from "
-        f"`{cfg['prompts']}`, max_new_tokens {cfg['max_new_tokens']}, temperature {cfg['temperature']}, top_k "
-        f"{cfg['top_k']}, top_p {cfg['top_p']}, seed {cfg['seed']}, {cfg['warmup']} warm-up pass(es) excluded.",
-        "",
-        "## Decision",
-        "",
-        "Thresholds were fixed in the config before the run; all must hold for `enable`.",
-        "",
-        *[f"- {reason}" for reason in d["reasons"]],
-        "",
+def _results_lines(r: dict) -> list[str]:
+    """The figures of both modes, the speculative counters and the costs of the run."""
+    b, s = r["baseline"], r["speculative"]
+    return [
         "## Results",
         "",
         "| metric | target-only | speculative |",
@@ -98,6 +81,57 @@ def to_markdown(r: dict) -> str:
         f"{r['cost']['draft_step_ms']:.2f} ms, c = {r['cost']['c']:.3f}, v(n+1) = {r['cost']['v']:.3f} (n verified draft tokens); "
         f"expected tokens per round from the per-position acceptance {r['expected_tokens_per_round']:.3f}.",
         "",
+    ]
+
+
+def _method_lines(r: dict) -> list[str]:
+    """How the figures were measured, on what, and the plots."""
+    lines = [
+        "", "## Method", "",
+        "Both modes decode the same prompts with the same settings in one process; for each batch the order "
+        "(target-only first or speculative first) alternates. Timings are device-synchronised; only decoder calls "
+        "are timed. Latency is per request (a batch's requests all wait for the batch); TTFT is the time to the "
+        "first generated token; ITL spreads each step's time over the tokens it appended (a round that emits 3 "
+        "tokens counts 3 intervals of a third). Peak memory is CUDA peak allocated on GPUs and the process's peak "
+        "RSS on CPU. speedup = target-only wall time / speculative wall time.",
+        "", FORMULA, "",
+        "## Environment", "",
+        ", ".join(f"{k} {v}" for k, v in r["environment"].items()),
+    ]
+    if r.get("cpu_linear_kernels"):
+        lines += ["", fast_linear.summary(r["cpu_linear_kernels"]) + " (specdec/fast_linear.py; report.json lists them)."]
+    if r.get("plots"):
+        lines += ["", "## Plots", ""]
+        titles = {"per_position_acceptance": "Per-position acceptance", "latency_cdf": "Latency CDF",
+                  "speedup_vs_k": "Speedup vs k (measured and analytical)"}
+        for name, file in r["plots"].items():
+            lines += [f"![{titles.get(name, name)}]({file})", ""]
+    return lines
+
+
+def to_markdown(r: dict) -> str:
+    """report.md: verdict first, then the figures, the equivalence, the sweep, categories, method and plots."""
+    cfg, s = r["config"], r["speculative"]
+    d, eq = r["decision"], r["equivalence"]
+    lines = [
+        "# Speculative decoding report",
+        "",
+        f"**Verdict: `{d['verdict']}`** — speedup **{r['speedup']:.2f}x** (analytical {r['analytical_speedup']:.2f}x), "
+        f"acceptance rate **{s['acceptance_rate']:.3f}**, equivalence **{_eq_word(eq)}**.",
+        "",
+        f"Target `{cfg['target']}`, draft `{cfg['draft']}`; "
+        f"{_proposal(cfg['tree']) if cfg.get('tree') else _proposal(cfg['num_draft_tokens'])}, batch size "
+        f"{cfg['batch_size']} (recommended by {cfg['recommend_by']}); {cfg['num_prompts']} prompts from "
+        f"`{cfg['prompts']}`, max_new_tokens {cfg['max_new_tokens']}, temperature {cfg['temperature']}, top_k "
+        f"{cfg['top_k']}, top_p {cfg['top_p']}, seed {cfg['seed']}, {cfg['warmup']} warm-up pass(es) excluded.",
+        "",
+        "## Decision",
+        "",
+        "Thresholds were fixed in the config before the run; all must hold for `enable`.",
+        "",
+        *[f"- {reason}" for reason in d["reasons"]],
+        "",
+        *_results_lines(r),
         *_choose_k_lines(r.get("choose_k")),
         f"Memory: draft weights {r['memory']['draft_weights_mb']:.1f} MB"
         + (f" (besides {r['memory']['shared_with_target_mb']:.1f} MB of input embeddings equal to the target's, "
@@ -137,24 +171,7 @@ def to_markdown(r: dict) -> str:
         lines += ["", "For batch sizes above 1 a batch's time and counters are shared equally among its prompts."]
     if r.get("engine"):  # engine=specdec,vllm: the serving engine's figures beside the decoder's
         lines += engine_markdown.markdown_lines(r)
-    lines += [
-        "", "## Method", "",
-        "Both modes decode the same prompts with the same settings in one process; for each batch the order "
-        "(target-only first or speculative first) alternates. Timings are device-synchronised; only decoder calls "
-        "are timed. Latency is per request (a batch's requests all wait for the batch); TTFT is the time to the "
-        "first generated token; ITL spreads each step's time over the tokens it appended (a round that emits 3 "
-        "tokens counts 3 intervals of a third). Peak memory is CUDA peak allocated on GPUs and the process's peak "
-        "RSS on CPU. speedup = target-only wall time / speculative wall time.",
-        "", FORMULA, "",
-        "## Environment", "",
-        ", ".join(f"{k} {v}" for k, v in env.items()),
-    ]
-    if r.get("plots"):
-        lines += ["", "## Plots", ""]
-        titles = {"per_position_acceptance": "Per-position acceptance", "latency_cdf": "Latency CDF",
-                  "speedup_vs_k": "Speedup vs k (measured and analytical)"}
-        for name, file in r["plots"].items():
-            lines += [f"![{titles.get(name, name)}]({file})", ""]
+    lines += _method_lines(r)
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -29,7 +29,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from specdec import replay
+from specdec import fast_linear, replay
 from specdec.compat import check_compatible
 from specdec.decode import DecodeStats, speculative_generate, target_generate
 from specdec.drafter import make_drafter
@@ -490,6 +490,8 @@ def _run(cfg: EvalConfig) -> dict:
         raise ValueError("a prompt encodes to zero tokens; remove empty prompts from the file")
     eos = tokenizer.eos_token_id
     pad = tokenizer_pad_id(tokenizer)
+    log.info("measuring the CPU linear kernels for every row count the decoders use (specdec/fast_linear.py)")
+    fast_linear.calibrate(target, draft)  # here, so that no timed call below pays for a first measurement
     chosen_k = None
     if cfg.choose_k:
         chosen_k = choose_num_draft_tokens(target, draft, encoded[: cfg.choose_k_prompts],
@@ -663,6 +665,7 @@ def _assemble(cfg, prompts, rows, best, eq, costs, device, timing) -> dict:
     result = {
         "config": config,
         "environment": metrics.environment(device),
+        "cpu_linear_kernels": fast_linear.choices(),  # what specdec/fast_linear.py measured and kept in this run
         "baseline": _public(best["baseline"]),
         "speculative": _public(best["speculative"]),
         "speedup": best["speedup"],

@@ -120,10 +120,11 @@ def choices() -> list[dict]:
             for (out, inp, dtype, bias, rows, threads), plan in sorted(_choices.items(), key=str)]
 
 
-def summary() -> str:
-    """One line for reports: how many measured (layer shape, rows) pairs kept each kernel."""
+def summary(entries: list[dict] | None = None) -> str:
+    """One line for reports: how many measured (layer shape, rows) pairs kept each kernel (`choices()` by
+    default, or the entries a report recorded)."""
     counts = defaultdict(int)
-    for entry in choices():
+    for entry in choices() if entries is None else entries:
         counts[entry["kernel"]] += 1
     kept = ", ".join(f"{kernel} {n}" for kernel, n in sorted(counts.items())) or "nothing measured"
     return f"CPU linear kernels kept per (layer shape, rows): {kept}"

@@ -59,6 +59,11 @@ def test_eval_greedy_sweep_writes_a_complete_report(tiny_checkpoints, tmp_path):
     md = (tmp_path / "report.md").read_text()
     assert "keep-target-only" in md and "## Sweep" in md and "tau_hat / (k * c + v)" in md
     assert "](latency_cdf.png)" in md and "## By category" in md
+    # The CPU linear kernels the run measured and kept (specdec/fast_linear.py), for the rows it decoded.
+    kernels = report["cpu_linear_kernels"]
+    assert {1, 4} <= {entry["rows"] for entry in kernels}  # one-token steps and k = 3 verifications
+    assert {entry["kernel"] for entry in kernels} <= {"F.linear", "W@x^T", "W@x^T padded"}
+    assert "CPU linear kernels kept per (layer shape, rows)" in md
 
 
 def test_eval_enables_when_every_threshold_holds(tiny_checkpoints, tmp_path):
