@@ -52,7 +52,7 @@ def decide(
         "equivalence " + ("passed (ok)" if equivalence_passed else
                           "not checked (FAILS: it must pass)" if equivalence_passed is None else "failed (FAILS)"),
         f"memory overhead {memory_overhead_mb:.1f} MB {'<=' if checks['memory'] else '>'} {memory_limit:.1f} MB "
-        f"= draft weights {draft_weights_mb:.1f} MB + {thresholds.max_memory_overhead:.0%} ({ok[checks['memory']]})",
+        f"= draft memory {draft_weights_mb:.1f} MB + {thresholds.max_memory_overhead:.0%} ({ok[checks['memory']]})",
     ]
     if fallback:
         reasons.append("the draft failed during decoding and the decoder fell back to target-only (FAILS)")

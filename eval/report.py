@@ -52,6 +52,15 @@ def _choose_k_lines(ck: dict | None) -> list[str]:
     return [*lines, "", "| proposal | tau | v(n+1) | predicted speedup |", "|---|---:|---:|---:|", *rows, ""]
 
 
+def _packed_text(memory: dict) -> str:
+    """The CPU fast path's reordered weight copies (specdec/fast_linear.py), when it made any."""
+    draft, target = memory.get("draft_packed_mb", 0.0), memory.get("target_packed_mb", 0.0)
+    if not (draft or target):
+        return ""
+    return (f"; the CPU fast path holds reordered copies of weights: {draft:.1f} MB of the draft's, counted in its "
+            f"memory, and {target:.1f} MB of the target's, held by target-only decoding too")
+
+
 def _results_lines(r: dict) -> list[str]:
     """The figures of both modes, the speculative counters and the costs of the run."""
     b, s = r["baseline"], r["speculative"]
@@ -136,8 +145,9 @@ def to_markdown(r: dict) -> str:
         f"Memory: draft weights {r['memory']['draft_weights_mb']:.1f} MB"
         + (f" (besides {r['memory']['shared_with_target_mb']:.1f} MB of input embeddings equal to the target's, "
            "which it shares)" if r["memory"].get("shared_with_target_mb") else "")
+        + _packed_text(r["memory"])
         + f", overhead over target-only {r['memory']['overhead_mb']:.1f} MB (the largest peak difference between "
-        "the two modes on the same prompts, plus the draft's weights).",
+        "the two modes on the same prompts, plus the draft's weights and their copies).",
         "",
         f"Harness: {r['harness']['decoder_s']:.2f} s inside the decoders of {r['harness']['loop_s']:.2f} s of "
         f"measurement loop ({100 * r['harness']['overhead_fraction']:.1f}% outside the decoders, untimed).",

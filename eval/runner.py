@@ -232,6 +232,11 @@ class PeakMemory:
         return psutil.Process(os.getpid()).memory_info().rss / 2**20
 
 
+def _draft_memory_mb(memory: dict) -> float:
+    """What the draft holds that target-only serving would not: its weights and their reordered copies."""
+    return memory["draft_weights_mb"] + memory.get("draft_packed_mb", 0.0)
+
+
 def _weights_mb(model, shared_with=None) -> float:
     """Memory of a model's parameters and buffers, leaving out tensors it shares with `shared_with`."""
     def tensors(m):
@@ -502,7 +507,10 @@ def _run(cfg: EvalConfig) -> dict:
     calls, costs, timing = _measure(cfg, target, draft, encoded, eos, pad, device)
 
     # What serving the draft adds: tensors it shares with the target count once, in the target.
-    weights = {"draft_weights_mb": _weights_mb(draft, shared_with=target), "shared_with_target_mb": shared_mb}
+    weights = {"draft_weights_mb": _weights_mb(draft, shared_with=target), "shared_with_target_mb": shared_mb,
+               # copies of weights the CPU fast path reordered (calibrate made them, so both modes' peaks hold them)
+               "draft_packed_mb": fast_linear.packed_mb(draft, shared_with=target),
+               "target_packed_mb": fast_linear.packed_mb(target)}
     rows = []
     for b in cfg.batch_size:
         base = [c for c in calls if c.batch_size == b and c.mode == "baseline"]
@@ -588,7 +596,7 @@ def _judge(cfg: EvalConfig, rows: list[dict], best: dict, target, draft, first_p
     for row in rows:
         row["decision"] = decision_mod.decide(
             row["speculative"]["acceptance_rate"], row["speedup"], row["equivalence"]["passed"],
-            row["memory"]["overhead_mb"], row["memory"]["draft_weights_mb"], cfg.thresholds(),
+            row["memory"]["overhead_mb"], _draft_memory_mb(row["memory"]), cfg.thresholds(),
             row["speculative"]["fallback"])
 
     return eq
@@ -628,7 +636,7 @@ def _config_row(cfg, prompts, base: list[Call], spec: list[Call], k: int, b: int
         "expected_tokens_per_round": metrics.expected_tokens_per_round(st["per_position_acceptance"]),
         "cost": {"c": cost["c"], "v": v},
         "memory": {**weights, "overhead_mb": metrics.memory_overhead_mb(
-            [by_group_base[g] for g in groups], [by_group_spec[g] for g in groups], weights["draft_weights_mb"])},
+            [by_group_base[g] for g in groups], [by_group_spec[g] for g in groups], _draft_memory_mb(weights))},
         "equivalence": eq,
         "categories": _categories(prompts, base, spec, d),
         "samples": [(prompts[i].prompt_id, prompts[i].category, by_row_base[i], by_row_spec[i]) for i in order],

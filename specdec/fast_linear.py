@@ -5,11 +5,16 @@ the weights from memory once per step. Which kernel does that fastest for a hand
 and its BLAS: on some machines torch's `F.linear` (x @ W^T) runs at a fraction of memory bandwidth there while
 the same product written W @ x^T runs near it, and on others `F.linear` is the faster one. Some odd row counts
 also take a slower kernel than the next even one (one row most of all), so computing them padded to it pays.
-No one rule holds across machines (docs/results has both kinds), so the choice is measured, not assumed.
+And oneDNN's matmul on a weight reordered once into its own blocked layout (the path torch's inductor takes for
+frozen CPU linears) can cost nearly the same for 2 to 16 rows as for one, where the BLAS kernels grow with the
+rows: that is what makes verifying a tree of candidates cheap. No one rule holds across machines (docs/results
+has several kinds), so the choice is measured, not assumed.
 
 For each layer shape, dtype, row count and thread count first seen inside `fast_linears`, `_measure` times each
-candidate (`F.linear`; W @ x^T over the rows; for odd counts W @ x^T padded by one row) as a sweep over every
-patched layer of that shape, which streams the weights as a decode step does, and keeps the fastest. `F.linear`
+candidate (`F.linear`; W @ x^T over the rows; for odd counts W @ x^T padded by one row; in float32 where torch
+has oneDNN, the reordered weight) as a sweep over every patched layer of that shape, which streams the weights
+as a decode step does, and keeps the fastest. A reordered weight is a second copy of it: kept only for the
+shapes where some row count chose it (`packed_mb` says how much), released with its layer. `F.linear`
 stays unless another takes under MARGIN of its time, so noise cannot swap kernels for nothing. The choice is
 kept for the process (`choices()` lists it; eval's report records it). Past MAX_ROWS rows (prefill, data
 generation at batch 64) `F.linear` is used unmeasured. Measuring costs a few sweeps per new row count, a fraction
@@ -30,6 +35,7 @@ import contextlib
 import os
 import time
 import types
+import weakref
 from collections import defaultdict
 from collections.abc import Iterable
 
@@ -40,10 +46,49 @@ MAX_ROWS = 16  # row counts measured; beyond them F.linear (prefill-sized produc
 MARGIN = 0.95  # another kernel replaces F.linear only when it takes under this fraction of F.linear's time
 REPEATS = 3  # timed sweeps per candidate; the fastest sweep counts (noise only ever adds time)
 ENABLED = True  # bench/decode.py turns it off to attribute the gain; SPECDEC_FAST_LINEAR=0 does too
-F_LINEAR = 0  # a plan: 0 is F.linear, n > 0 is W @ x^T over n rows (the real ones, padded up to n)
+F_LINEAR = 0  # a plan: 0 is F.linear, n > 0 is W @ x^T over n rows (the real ones, padded up to n),
+PACKED = -1  # and this one oneDNN's matmul on the weight reordered into its blocked layout
+PACK_ROWS = MAX_ROWS  # the row count oneDNN lays the reordered weight out for (any count runs on it)
 
 # (out features, in features, dtype, has bias, rows, threads) -> plan, measured once per process
 _choices: dict[tuple, int] = {}
+# id(weight) -> (weak reference to it, its version when reordered, the reordered copy); one per weight tensor, so
+# layers that share a weight (a draft's lm_head tied to the target's) share the copy
+_packed: dict[int, tuple] = {}
+
+
+def _packing_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _packed_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The reordered copy of `weight`, made again whenever the weight was changed in place since."""
+    entry = _packed.get(id(weight))
+    if entry is None or entry[0]() is not weight or entry[1] != weight._version:
+        key = id(weight)
+        with torch.no_grad():
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
+        _packed[key] = (weakref.ref(weight, lambda _, key=key: _packed.pop(key, None)), weight._version, packed)
+        return packed
+    return entry[2]
+
+
+def _release_packed(layers: list[torch.nn.Linear]) -> None:
+    for layer in layers:
+        _packed.pop(id(layer.weight), None)
+
+
+def packed_mb(*models, shared_with=None) -> float:
+    """Memory held by the reordered weight copies of these models' layers, leaving out those of weights the model
+    `shared_with` also holds (all copies when no model is named)."""
+    def weights(ms):
+        return {id(layer.weight) for m in ms if m is not None for layer in m.modules()
+                if isinstance(layer, torch.nn.Linear)}
+
+    keys = weights(models) if models else set(_packed)
+    keys -= weights([shared_with])
+    return sum(entry[2].numel() * entry[2].element_size() for key, entry in list(_packed.items())
+               if key in keys) / 2**20
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -54,13 +99,19 @@ def _matmul(weight: torch.Tensor, flat_t: torch.Tensor) -> torch.Tensor:
     return torch.matmul(weight, flat_t)
 
 
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 def linear_forward(self: torch.nn.Linear, x: torch.Tensor, plan: int = F_LINEAR) -> torch.Tensor:
-    """`self(x)` computed as `plan` says: F.linear for 0, else (W @ x^T)^T over `plan` >= rows rows, the extra
-    rows copies of the last. [..., in] -> [..., out]"""
+    """`self(x)` computed as `plan` says: F.linear for 0, the reordered weight for PACKED, else (W @ x^T)^T over
+    `plan` >= rows rows, the extra rows copies of the last. [..., in] -> [..., out]"""
+    if plan == PACKED and not (torch.is_grad_enabled() and self.weight.requires_grad):  # oneDNN's op: no backward
+        return _packed_linear(x, _packed_weight(self.weight), self.bias)
+    if plan in (F_LINEAR, PACKED):
+        return _linear(x, self.weight, self.bias)
     flat = x.reshape(-1, x.shape[-1])
     rows = flat.shape[0]
-    if plan == F_LINEAR:
-        return _linear(x, self.weight, self.bias)
     if plan > rows:
         flat = torch.cat([flat, flat[-1:].expand(plan - rows, -1)])
     out = _matmul(self.weight, flat.T).T[:rows]
@@ -73,8 +124,9 @@ def _shape_key(layer: torch.nn.Linear) -> tuple:
     return (*layer.weight.shape, layer.weight.dtype, layer.bias is not None)
 
 
-def _candidates(rows: int) -> list[int]:
-    return [F_LINEAR, rows] + ([rows + 1] if rows % 2 else [])
+def _candidates(rows: int, dtype: torch.dtype) -> list[int]:
+    packed = [PACKED] if dtype == torch.float32 and _packing_available() else []  # oneDNN: no float64 matmul
+    return [F_LINEAR, rows] + ([rows + 1] if rows % 2 else []) + packed
 
 
 def choose(times: dict[int, float]) -> int:
@@ -88,9 +140,12 @@ def _measure(layers: list[torch.nn.Linear], rows: int) -> int:
     first = layers[0]
     # its own generator: measuring must not move the global RNG that a sampling decoder's seed drives
     x = torch.randn(rows, first.in_features, dtype=first.weight.dtype, generator=torch.Generator().manual_seed(0))
-    plans = _candidates(rows)
+    plans = _candidates(rows, first.weight.dtype)
     times = dict.fromkeys(plans, float("inf"))
     with torch.no_grad():
+        if PACKED in plans:
+            for layer in layers:  # reordering is a one-off cost, not the kernel's
+                _packed_weight(layer.weight)
         for repeat in range(REPEATS):  # the order rotates, so a first call's extra cost hits each plan once
             for plan in plans[repeat % len(plans):] + plans[:repeat % len(plans)]:
                 start = time.perf_counter()
@@ -103,20 +158,23 @@ def _measure(layers: list[torch.nn.Linear], rows: int) -> int:
 def _plan(layers: list[torch.nn.Linear], rows: int) -> int:
     if rows > MAX_ROWS:
         return F_LINEAR
-    key = (*_shape_key(layers[0]), rows, torch.get_num_threads())
+    shape = _shape_key(layers[0])
+    key = (*shape, rows, torch.get_num_threads())
     if key not in _choices:
         _choices[key] = _measure(layers, rows)
+        if not any(plan == PACKED for k, plan in _choices.items() if k[:len(shape)] == shape):
+            _release_packed(layers)  # no row count of this shape runs on the copies: give their memory back
     return _choices[key]
 
 
 def _kernel(rows: int, plan: int) -> str:
-    return "F.linear" if plan == F_LINEAR else "W@x^T" if plan == rows else "W@x^T padded"
+    return {F_LINEAR: "F.linear", PACKED: "oneDNN packed", rows: "W@x^T"}.get(plan, "W@x^T padded")
 
 
 def choices() -> list[dict]:
     """What was measured in this process: per layer shape, dtype, row count and threads, the kernel kept."""
     return [{"out_features": out, "in_features": inp, "dtype": str(dtype).removeprefix("torch."), "bias": bias,
-             "rows": rows, "threads": threads, "kernel": _kernel(rows, plan), "computed_rows": plan or rows}
+             "rows": rows, "threads": threads, "kernel": _kernel(rows, plan), "computed_rows": plan if plan > 0 else rows}
             for (out, inp, dtype, bias, rows, threads), plan in sorted(_choices.items(), key=str)]
 
 

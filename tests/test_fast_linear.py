@@ -8,13 +8,16 @@ import torch
 from conftest import tiny_llama
 
 import specdec.fast_linear as fl
-from specdec.fast_linear import F_LINEAR, MAX_ROWS, calibrate, choose, fast_linears, linear_forward
+from specdec.fast_linear import F_LINEAR, MAX_ROWS, PACKED, calibrate, choose, fast_linears, linear_forward
+
+needs_onednn = pytest.mark.skipif(not fl._packing_available(), reason="this torch build has no oneDNN")
 
 
 @pytest.fixture(autouse=True)
 def fresh_choices(monkeypatch):
-    """Each test measures for itself: the process-wide choices are emptied, and restored afterwards."""
+    """Each test measures for itself: the process-wide choices and reordered weights are emptied, and restored."""
     monkeypatch.setattr(fl, "_choices", {})
+    monkeypatch.setattr(fl, "_packed", {})
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, MAX_ROWS])
@@ -23,7 +26,8 @@ def test_every_plan_equals_linear(rows, bias):
     torch.manual_seed(rows)
     layer = torch.nn.Linear(24, 300, bias=bias)
     x = torch.randn(1, rows, 24)
-    for plan in (F_LINEAR, rows, rows + 1, rows + 4):  # F.linear, W @ x^T, padded by one row and by more
+    plans = [F_LINEAR, rows, rows + 1, rows + 4] + ([PACKED] if fl._packing_available() else [])
+    for plan in plans:  # F.linear, W @ x^T, padded by one row and by more, oneDNN on the reordered weight
         torch.testing.assert_close(linear_forward(layer, x, plan), layer(x), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(linear_forward(layer, x[0], plan), layer(x[0]), rtol=1e-5, atol=1e-5)
 
@@ -52,21 +56,64 @@ def _slowed(kernel, seconds):
     return slow
 
 
-@pytest.mark.parametrize("slow", ["_linear", "_matmul"])
-def test_the_measured_faster_kernel_is_kept(slow, monkeypatch):
-    """With one kernel made slow the measurement picks the other, at every row count it is asked about."""
-    monkeypatch.setattr(fl, slow, _slowed(getattr(fl, slow), 0.002))
-    model = tiny_llama(seed=0)
+KERNELS = {"F.linear": "_linear", "W@x^T": "_matmul", "oneDNN packed": "_packed_linear"}
+
+
+@pytest.mark.parametrize("fast", ["F.linear", "W@x^T", pytest.param("oneDNN packed", marks=needs_onednn)])
+def test_the_measured_faster_kernel_is_kept(fast, monkeypatch):
+    """With the other kernels made slow the measurement picks this one, at every row count it is asked about."""
+    for kernel, name in KERNELS.items():
+        if kernel != fast:
+            monkeypatch.setattr(fl, name, _slowed(getattr(fl, name), 0.002))
+    model = tiny_llama(seed=0).float()  # oneDNN has float32 kernels, not float64
     with torch.inference_mode(), fast_linears(model):
         model(input_ids=torch.tensor([[5, 9, 11]]))  # 3 rows
         model(input_ids=torch.tensor([[5]]))
     kept = {entry["kernel"] for entry in fl.choices()}
     assert {entry["rows"] for entry in fl.choices()} == {1, 3}
-    if slow == "_matmul":
-        assert kept == {"F.linear"}
+    if fast == "W@x^T":  # 1 and 3 rows are odd: padded by a row or not, both run W @ x^T
+        assert kept and kept <= {"W@x^T", "W@x^T padded"}
     else:
-        assert kept and "F.linear" not in kept
+        assert kept == {fast}
     assert "CPU linear kernels kept" in fl.summary()
+    # reordered copies are held for exactly the layers that run on them
+    assert (fl.packed_mb(model) > 0) == (fast == "oneDNN packed") and (fl.packed_mb() > 0) == (fast == "oneDNN packed")
+
+
+@needs_onednn
+def test_a_reordered_weight_follows_its_weight():
+    """Made again after an in-place change, shared by layers that share the weight, dropped with the weight."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(32, 64)
+    x = torch.randn(4, 32)
+    with torch.inference_mode():
+        before = linear_forward(layer, x, PACKED)
+    with torch.no_grad():
+        layer.weight.mul_(2)  # as an optimizer step or a load_state_dict would
+    with torch.inference_mode():
+        after = linear_forward(layer, x, PACKED)
+    torch.testing.assert_close(after, layer(x), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(before, after)
+    twin = torch.nn.Linear(32, 64)
+    twin.weight = layer.weight  # tied, as a draft's lm_head to the target's
+    with torch.inference_mode():
+        linear_forward(twin, x, PACKED)
+    assert len(fl._packed) == 1 and fl.packed_mb(twin) == fl.packed_mb(layer) == 64 * 32 * 4 / 2**20
+    del layer, twin
+    assert fl._packed == {}
+
+
+@needs_onednn
+def test_the_packed_plan_trains_through_f_linear():
+    """oneDNN's op has no backward: with gradients on, the plan computes F.linear, and gradients flow."""
+    layer = torch.nn.Linear(8, 4)
+    out = linear_forward(layer, torch.randn(3, 8), PACKED)
+    out.sum().backward()
+    assert layer.weight.grad is not None and fl._packed == {}
+
+
+def test_float64_layers_are_never_reordered():
+    assert PACKED not in fl._candidates(3, torch.float64)
 
 
 def test_each_shape_and_row_count_is_measured_once(monkeypatch):
