@@ -62,7 +62,7 @@ def test_eval_greedy_sweep_writes_a_complete_report(tiny_checkpoints, tmp_path):
     # The CPU linear kernels the run measured and kept (specdec/fast_linear.py), for the rows it decoded.
     kernels = report["cpu_linear_kernels"]
     assert {1, 4} <= {entry["rows"] for entry in kernels}  # one-token steps and k = 3 verifications
-    assert {entry["kernel"] for entry in kernels} <= {"F.linear", "W@x^T", "W@x^T padded"}
+    assert {entry["kernel"] for entry in kernels} <= {"F.linear", "W@x^T", "W@x^T padded", "oneDNN packed"}
     assert "CPU linear kernels kept per (layer shape, rows)" in md
 
 
