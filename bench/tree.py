@@ -60,8 +60,9 @@ def predicted_section(cfg: EvalConfig, candidates: list) -> str:
                                  tokenizer_pad_id(tokenizer), device)
     lines = ["| proposal | replayed tau | v(n+1) | predicted speedup |", "|---|---:|---:|---:|"]
     for p in candidates:
-        lines.append(f"| {proposals.label(p)} | {ck['tau'][str(p)]:.3f} | "
-                     f"{ck['v'][str(proposals.verified_nodes(p))]:.3f} | {ck['predicted_speedup'][str(p)]:.3f} |")
+        key = proposals.label(p)
+        lines.append(f"| {key} | {ck['tau'][key]:.3f} | {ck['v'][str(proposals.verified_nodes(p))]:.3f} | "
+                     f"{ck['predicted_speedup'][key]:.3f} |")
     top = ck["top_n_agreement"]
     lines += ["", f"choose_k would pick {proposals.label(ck['chosen'])} (c = {ck['c']:.3f}). Teacher-forced top-n "
               "agreement per round position (share of positions where the target's token is within the draft's "
@@ -127,7 +128,7 @@ def sweep_section(report: dict, kernels: bool = True) -> list[str]:
              f"{tree['speedup']:.3f}x: the tree is **{tree['speedup'] / chain['speedup']:.3f}x** the best chain "
              f"(tau {tree['mean_accepted_tokens']:.3f} vs {chain['mean_accepted_tokens']:.3f}).", ""]
     if kernels:
-        lines += [fast_linear.summary(report["cpu_linear_kernels"]) + " (this process, specdec/fast_linear.py).", ""]
+        lines += [fast_linear.summary(report["cpu_linear_kernels"], report.get("cpu_linear_unpacked_for_memory")) + " (this process, specdec/fast_linear.py).", ""]
     return lines
 
 

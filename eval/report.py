@@ -40,14 +40,15 @@ def _choose_k_lines(ck: dict | None) -> list[str]:
     """How k (or a tree) was chosen (choose_k, choose_tree): the calibration table, before any timed run."""
     if not ck:
         return []
-    rows = [f"| {_proposal(p)} | {ck['tau'][str(p)]:.3f} | {ck['v'][str(proposals.verified_nodes(p))]:.3f} | "
-            f"{ck['predicted_speedup'][str(p)]:.3f} |" for p in ck["candidates"]]
+    tau, predicted = ck["tau"], ck["predicted_speedup"]
+    rows = [f"| {_proposal(p)} | {tau[proposals.label(p)]:.3f} | {ck['v'][str(proposals.verified_nodes(p))]:.3f} | "
+            f"{predicted[proposals.label(p)]:.3f} |" for p in ck["candidates"]]
     lines = [f"{_proposal(ck['chosen'])} was chosen before the timed runs by predicted speedup tau / (d c + v(n+1)) "
              f"(d draft forwards and n verified tokens per round): tau from the draft teacher-forced on the "
              f"target's outputs for the first {ck['prompts']} prompt(s), c = {ck['c']:.3f} and v timed then."]
     best_chain = ck.get("best_chain")
     if isinstance(ck["chosen"], str) and best_chain is not None:
-        gain = ck["predicted_speedup"][ck["chosen"]] / ck["predicted_speedup"][str(best_chain)]
+        gain = predicted[proposals.label(ck["chosen"])] / predicted[proposals.label(best_chain)]
         lines.append(f"The tree is predicted {gain:.3f}x the best chain's speed (k = {best_chain}).")
     return [*lines, "", "| proposal | tau | v(n+1) | predicted speedup |", "|---|---:|---:|---:|", *rows, ""]
 
@@ -108,7 +109,8 @@ def _method_lines(r: dict) -> list[str]:
         ", ".join(f"{k} {v}" for k, v in r["environment"].items()),
     ]
     if r.get("cpu_linear_kernels"):
-        lines += ["", fast_linear.summary(r["cpu_linear_kernels"]) + " (specdec/fast_linear.py; report.json lists them)."]
+        lines += ["", fast_linear.summary(r["cpu_linear_kernels"], r.get("cpu_linear_unpacked_for_memory"))
+                       + " (specdec/fast_linear.py; report.json lists them)."]
     if r.get("plots"):
         lines += ["", "## Plots", ""]
         titles = {"per_position_acceptance": "Per-position acceptance", "latency_cdf": "Latency CDF",

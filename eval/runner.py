@@ -359,8 +359,10 @@ def choose_num_draft_tokens(target, draft, prompts: list[list[int]], candidates:
     best_chain = max(chains, key=lambda p: (predicted[p], -p)) if chains else None
     log.info("choose_k: predicted speedup %s -> %s", {proposals.label(p): round(v, 3) for p, v in predicted.items()},
              proposals.label(chosen))
-    return {"candidates": candidates, "prompts": len(prompts), "tau": {str(p): tau[p] for p in candidates},
-            "c": costs["c"], "v": costs["v"], "predicted_speedup": {str(p): predicted[p] for p in candidates},
+    # Keyed by label ("k=2", "tree=2"): a one-level tree and the chain of its width share the shape text.
+    return {"candidates": candidates, "prompts": len(prompts),
+            "tau": {proposals.label(p): tau[p] for p in candidates}, "c": costs["c"], "v": costs["v"],
+            "predicted_speedup": {proposals.label(p): predicted[p] for p in candidates},
             "chosen": chosen, "best_chain": best_chain,
             "top_n_agreement": replay.top_n_agreement(ranks)}
 
@@ -674,6 +676,7 @@ def _assemble(cfg, prompts, rows, best, eq, costs, device, timing) -> dict:
         "config": config,
         "environment": metrics.environment(device),
         "cpu_linear_kernels": fast_linear.choices(),  # what specdec/fast_linear.py measured and kept in this run
+        "cpu_linear_unpacked_for_memory": fast_linear.skipped_for_memory(),  # shapes given no reordered copy
         "baseline": _public(best["baseline"]),
         "speculative": _public(best["speculative"]),
         "speedup": best["speedup"],

@@ -13,8 +13,10 @@ has several kinds), so the choice is measured, not assumed.
 For each layer shape, dtype, row count and thread count first seen inside `fast_linears`, `_measure` times each
 candidate (`F.linear`; W @ x^T over the rows; for odd counts W @ x^T padded by one row; in float32 where torch
 has oneDNN, the reordered weight) as a sweep over every patched layer of that shape, which streams the weights
-as a decode step does, and keeps the fastest. A reordered weight is a second copy of it: kept only for the
-shapes where some row count chose it (`packed_mb` says how much), released with its layer. `F.linear`
+as a decode step does, and keeps the fastest. A reordered weight is a second copy of it: made only while the
+copies of a shape take under PACK_SHARE of the memory available at that moment (a large target is not doubled
+into swap or the OOM killer; `skipped_for_memory()` lists what was left out), kept only for the shapes where some
+row count chose it (`packed_mb` says how much), released with its layer. `F.linear`
 stays unless another takes under MARGIN of its time, so noise cannot swap kernels for nothing. The choice is
 kept for the process (`choices()` lists it; eval's report records it). Past MAX_ROWS rows (prefill, data
 generation at batch 64) `F.linear` is used unmeasured. Measuring costs a few sweeps per new row count, a fraction
@@ -39,6 +41,7 @@ import weakref
 from collections import defaultdict
 from collections.abc import Iterable
 
+import psutil
 import torch
 
 _DTYPES = (torch.float32, torch.float64)
@@ -49,9 +52,12 @@ ENABLED = True  # bench/decode.py turns it off to attribute the gain; SPECDEC_FA
 F_LINEAR = 0  # a plan: 0 is F.linear, n > 0 is W @ x^T over n rows (the real ones, padded up to n),
 PACKED = -1  # and this one oneDNN's matmul on the weight reordered into its blocked layout
 PACK_ROWS = MAX_ROWS  # the row count oneDNN lays the reordered weight out for (any count runs on it)
+PACK_SHARE = 0.25  # a shape's reordered copies are made only when they take under this share of available memory
 
 # (out features, in features, dtype, has bias, rows, threads) -> plan, measured once per process
 _choices: dict[tuple, int] = {}
+# layer shapes whose copies would not fit under PACK_SHARE when first measured: the other kernels only
+_skipped: set[tuple] = set()
 # id(weight) -> (weak reference to it, its version when reordered, the reordered copy); one per weight tensor, so
 # layers that share a weight (a draft's lm_head tied to the target's) share the copy
 _packed: dict[int, tuple] = {}
@@ -124,9 +130,23 @@ def _shape_key(layer: torch.nn.Linear) -> tuple:
     return (*layer.weight.shape, layer.weight.dtype, layer.bias is not None)
 
 
-def _candidates(rows: int, dtype: torch.dtype) -> list[int]:
-    packed = [PACKED] if dtype == torch.float32 and _packing_available() else []  # oneDNN: no float64 matmul
+def _candidates(rows: int, dtype: torch.dtype, packable: bool = True) -> list[int]:
+    packed = [PACKED] if packable and dtype == torch.float32 and _packing_available() else []  # no float64 matmul
     return [F_LINEAR, rows] + ([rows + 1] if rows % 2 else []) + packed
+
+
+def _room_to_pack(layers: list[torch.nn.Linear]) -> bool:
+    """Whether this shape's layers may run on reordered copies: they have them already, or the copies would take
+    under PACK_SHARE of the memory available now. A shape refused once stays refused (choices stay stable)."""
+    shape = _shape_key(layers[0])
+    if shape in _skipped:
+        return False
+    missing = [layer.weight for layer in layers if id(layer.weight) not in _packed]
+    need = sum(w.numel() * w.element_size() for w in {id(w): w for w in missing}.values())
+    if need and need >= PACK_SHARE * psutil.virtual_memory().available:
+        _skipped.add(shape)
+        return False
+    return True
 
 
 def choose(times: dict[int, float]) -> int:
@@ -140,7 +160,7 @@ def _measure(layers: list[torch.nn.Linear], rows: int) -> int:
     first = layers[0]
     # its own generator: measuring must not move the global RNG that a sampling decoder's seed drives
     x = torch.randn(rows, first.in_features, dtype=first.weight.dtype, generator=torch.Generator().manual_seed(0))
-    plans = _candidates(rows, first.weight.dtype)
+    plans = _candidates(rows, first.weight.dtype, packable=_room_to_pack(layers))
     times = dict.fromkeys(plans, float("inf"))
     with torch.no_grad():
         if PACKED in plans:
@@ -178,14 +198,23 @@ def choices() -> list[dict]:
             for (out, inp, dtype, bias, rows, threads), plan in sorted(_choices.items(), key=str)]
 
 
-def summary(entries: list[dict] | None = None) -> str:
-    """One line for reports: how many measured (layer shape, rows) pairs kept each kernel (`choices()` by
-    default, or the entries a report recorded)."""
+def skipped_for_memory() -> list[dict]:
+    """The layer shapes that got no reordered copies because those would not have fit (PACK_SHARE)."""
+    return [{"out_features": out, "in_features": inp, "dtype": str(dtype).removeprefix("torch."), "bias": bias}
+            for out, inp, dtype, bias in sorted(_skipped, key=str)]
+
+
+def summary(entries: list[dict] | None = None, skipped: list[dict] | None = None) -> str:
+    """One line for reports: how many measured (layer shape, rows) pairs kept each kernel, and how many shapes got
+    no reordered copies for lack of memory (this process's by default, or what a report recorded)."""
     counts = defaultdict(int)
     for entry in choices() if entries is None else entries:
         counts[entry["kernel"]] += 1
     kept = ", ".join(f"{kernel} {n}" for kernel, n in sorted(counts.items())) or "nothing measured"
-    return f"CPU linear kernels kept per (layer shape, rows): {kept}"
+    skipped = skipped_for_memory() if entries is None else skipped or []
+    left = (f"; {len(skipped)} layer shapes not reordered, their copies would have taken over "
+            f"{PACK_SHARE:.0%} of the memory available") if skipped else ""
+    return f"CPU linear kernels kept per (layer shape, rows): {kept}{left}"
 
 
 def _enabled() -> bool:

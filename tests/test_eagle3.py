@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from conftest import ragged_prompts, tiny_llama
 
 from specdec import speculative_generate, target_generate
+from specdec.eval import proposals
 from specdec.eagle3 import Eagle3Draft, Eagle3Drafter, HiddenStateRecorder, _HiddenWindow, default_layer_ids
 from specdec.models import load_model
 from specdec.replay import replay_ranks, replay_runs, runs_from_ranks, target_states
@@ -468,4 +469,4 @@ def test_specdec_eval_runs_an_eagle3_draft_and_predicts_its_tau_exactly(tmp_path
     assert report["equivalence"]["passed"] and report["equivalence"]["mismatches"] == 0
     ck = report["choose_k"]
     assert ck["c"] > 0
-    assert ck["tau"][str(ck["chosen"])] == pytest.approx(report["speculative"]["mean_accepted_tokens"])
+    assert ck["tau"][proposals.label(ck["chosen"])] == pytest.approx(report["speculative"]["mean_accepted_tokens"])

@@ -9,6 +9,7 @@ import pytest
 from conftest import tiny_llama, tiny_tokenizer
 
 from specdec.cli import main
+from specdec.eval import proposals
 
 BASELINE_KEYS = {"tokens_per_s", "latency_s", "ttft_s", "itl_s", "peak_memory_mb"}
 SPEC_KEYS = BASELINE_KEYS | {"acceptance_rate", "mean_accepted_tokens", "per_position_acceptance", "rounds",
@@ -231,18 +232,18 @@ def test_choose_k_predicts_tau_exactly_and_measures_only_the_chosen_k(tiny_check
     report = json.loads((tmp_path / "report.json").read_text())
     ck = report["choose_k"]
     assert ck["candidates"] == [1, 2, 3] and ck["prompts"] == 4
-    assert ck["chosen"] == max(ck["candidates"], key=lambda k: (ck["predicted_speedup"][str(k)], -k))
+    assert ck["chosen"] == max(ck["candidates"], key=lambda k: (ck["predicted_speedup"][f"k={k}"], -k))
     assert report["config"]["num_draft_tokens"] == ck["chosen"] and "sweep" not in report
     # Greedy on the same prompts: the teacher-forced replay is the decoder's own tokens per round.
-    assert ck["tau"][str(ck["chosen"])] == pytest.approx(report["speculative"]["mean_accepted_tokens"])
+    assert ck["tau"][f"k={ck['chosen']}"] == pytest.approx(report["speculative"]["mean_accepted_tokens"])
     assert "was chosen before the timed runs" in (tmp_path / "report.md").read_text()
     # The target as its own draft accepts everything: tau well above 1, and still replayed exactly.
     perfect = {**tiny_checkpoints, "draft": tiny_checkpoints["target"]}
     assert _eval(perfect, tmp_path / "p", "choose_k=2,3", "num_prompts=4", "choose_k_prompts=4", "warmup=0") == 0
     report = json.loads((tmp_path / "p" / "report.json").read_text())
     ck = report["choose_k"]
-    assert ck["tau"]["3"] > 2.5 and ck["tau"]["2"] > 2.0
-    assert ck["tau"][str(ck["chosen"])] == pytest.approx(report["speculative"]["mean_accepted_tokens"])
+    assert ck["tau"]["k=3"] > 2.5 and ck["tau"]["k=2"] > 2.0
+    assert ck["tau"][f"k={ck['chosen']}"] == pytest.approx(report["speculative"]["mean_accepted_tokens"])
 
 
 def test_trees_join_the_sweep_at_batch_one_and_stay_exact(tiny_checkpoints, tmp_path):
@@ -263,15 +264,22 @@ def test_trees_join_the_sweep_at_batch_one_and_stay_exact(tiny_checkpoints, tmp_
 
 def test_choose_k_weighs_static_trees_by_their_replayed_tau(tiny_checkpoints, tmp_path):
     perfect = {**tiny_checkpoints, "draft": tiny_checkpoints["target"]}
-    assert _eval(perfect, tmp_path, "choose_k=1", "choose_tree=3x1x1,2x2", "num_prompts=4", "choose_k_prompts=4",
-                 "warmup=0") == 0
+    assert _eval(perfect, tmp_path, "choose_k=1,2", "choose_tree=3x1x1,2x2,2", "num_prompts=4",
+                 "choose_k_prompts=4", "warmup=0") == 0
     report = json.loads((tmp_path / "report.json").read_text())
     ck = report["choose_k"]
-    assert ck["candidates"] == [1, "3x1x1", "2x2"] and ck["best_chain"] == 1
-    assert ck["chosen"] == max(ck["candidates"], key=lambda p: ck["predicted_speedup"][str(p)])
-    # the target as its own draft: every first choice is right, so a tree of depth 3 accepts as a chain of 3
-    assert ck["tau"]["3x1x1"] > ck["tau"]["2x2"] > ck["tau"]["1"] > 1.5
-    assert ck["tau"][str(ck["chosen"])] == pytest.approx(report["speculative"]["mean_accepted_tokens"])
+    assert ck["candidates"] == [1, 2, "3x1x1", "2x2", "2"] and ck["best_chain"] in (1, 2)
+    label = proposals.label
+    assert ck["chosen"] == max(ck["candidates"], key=lambda p: ck["predicted_speedup"][label(p)])
+    # the target as its own draft: every first choice is right, so a tree of depth 3 accepts as a chain of 3, and
+    # the one-level tree "2" (keyed apart from the chain k = 2, whose shape text it shares) as a chain of 1
+    tau = ck["tau"]
+    assert len(tau) == len(ck["predicted_speedup"]) == 5
+    assert tau["tree=3x1x1"] > tau["tree=2x2"] > tau["tree=2"] > 1.5
+    assert tau["tree=2x2"] == pytest.approx(tau["k=2"]) and tau["tree=2"] == pytest.approx(tau["k=1"])
+    assert tau[label(ck["chosen"])] == pytest.approx(report["speculative"]["mean_accepted_tokens"])
+    md = (tmp_path / "report.md").read_text()
+    assert "| k = 2 |" in md and "| tree 2 |" in md
     assert len(ck["top_n_agreement"]) == 3 and ck["top_n_agreement"][0]["1"] == 1.0
 
 

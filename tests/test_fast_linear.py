@@ -18,6 +18,7 @@ def fresh_choices(monkeypatch):
     """Each test measures for itself: the process-wide choices and reordered weights are emptied, and restored."""
     monkeypatch.setattr(fl, "_choices", {})
     monkeypatch.setattr(fl, "_packed", {})
+    monkeypatch.setattr(fl, "_skipped", set())
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, MAX_ROWS])
@@ -110,6 +111,30 @@ def test_the_packed_plan_trains_through_f_linear():
     out = linear_forward(layer, torch.randn(3, 8), PACKED)
     out.sum().backward()
     assert layer.weight.grad is not None and fl._packed == {}
+
+
+@needs_onednn
+def test_no_reordered_copies_where_they_would_not_fit(monkeypatch):
+    """Copies that would take PACK_SHARE of the available memory or more are never made: the shape runs on the
+    other kernels, stays so, and the reports say so; where they fit, oneDNN stays a candidate."""
+    model = tiny_llama(seed=0, vocab_size=1024).float()  # the head's copies the largest of any shape
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    head = [m for m in layers if m.out_features == model.config.vocab_size]
+    head_bytes = sum(m.weight.numel() * 4 for m in head)
+    available = head_bytes / fl.PACK_SHARE  # exactly too little for the head's copies, enough for the others'
+    monkeypatch.setattr(fl.psutil, "virtual_memory", lambda: type("Memory", (), {"available": available})())
+    tried = []
+    monkeypatch.setattr(fl, "_candidates", lambda rows, dtype, packable=True: tried.append(packable) or [F_LINEAR])
+    fl.calibrate(model, rows=[2, 3])
+    shapes = {fl._shape_key(m) for m in layers}
+    assert fl._skipped == {fl._shape_key(head[0])} and len(shapes) > 1
+    assert tried.count(False) == 2 and tried.count(True) == 2 * (len(shapes) - 1)  # refused at every row count
+    assert not any(id(m.weight) in fl._packed for m in head)
+    entry = fl.skipped_for_memory()
+    assert entry == [{"out_features": model.config.vocab_size, "in_features": model.config.hidden_size,
+                      "dtype": "float32", "bias": False}]
+    assert "1 layer shapes not reordered" in fl.summary()
+    assert "not reordered" in fl.summary(fl.choices(), entry) and "not reordered" not in fl.summary(fl.choices())
 
 
 def test_float64_layers_are_never_reordered():
