@@ -128,7 +128,8 @@ def sweep_section(report: dict, kernels: bool = True) -> list[str]:
              f"{tree['speedup']:.3f}x: the tree is **{tree['speedup'] / chain['speedup']:.3f}x** the best chain "
              f"(tau {tree['mean_accepted_tokens']:.3f} vs {chain['mean_accepted_tokens']:.3f}).", ""]
     if kernels:
-        lines += [fast_linear.summary(report["cpu_linear_kernels"], report.get("cpu_linear_unpacked_for_memory")) + " (this process, specdec/fast_linear.py).", ""]
+        kept = fast_linear.summary(report["cpu_linear_kernels"], report.get("cpu_linear_unpacked_for_memory"))
+        lines += [kept + " (this process, specdec/fast_linear.py).", ""]
     return lines
 
 

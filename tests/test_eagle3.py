@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from conftest import ragged_prompts, tiny_llama
 
 from specdec import speculative_generate, target_generate
-from specdec.eval import proposals
 from specdec.eagle3 import Eagle3Draft, Eagle3Drafter, HiddenStateRecorder, _HiddenWindow, default_layer_ids
+from specdec.eval import proposals
 from specdec.models import load_model
 from specdec.replay import replay_ranks, replay_runs, runs_from_ranks, target_states
 
