@@ -41,6 +41,15 @@ def commit() -> str:
         return "unknown"
 
 
+def commit_of(tree) -> str:
+    """The short commit a checkout (e.g. a `git worktree` of an earlier commit) is at."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=tree,
+                              timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
 def header(title: str) -> str:
     """The provenance block every results file starts with."""
     import torch

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdec.eval import engine_vllm, equivalence, metrics, plots, report
+from specdec.eval.decision import failed_gates
 from specdec.eval.engine_markdown import _has_specdec
 from specdec.eval.engine_vllm import TARGET_ONLY, EngineError, Install
 from specdec.eval.plots import _plt
@@ -253,7 +254,8 @@ def engine_decision(cfg, engine: dict) -> dict:
         "every phase measured (ok)" if checks["complete"] else
         f"incomplete: {len(engine['missing'])} phase(s) missing, {len(engine['errors'])} error(s) (FAILS)",
     ]
-    return {"verdict": "enable" if all(checks.values()) else "keep-target-only", "reasons": reasons, "checks": checks}
+    return {"verdict": "enable" if all(checks.values()) else "keep-target-only", "reasons": reasons, "checks": checks,
+            "failed_gates": failed_gates(checks)}
 
 
 def _merge_decision(decision: dict, engine: dict) -> None:
@@ -264,6 +266,7 @@ def _merge_decision(decision: dict, engine: dict) -> None:
                                                          if passed is None else "failed (FAILS)"))
     if passed is not True:
         decision["verdict"] = "keep-target-only"
+    decision["failed_gates"] = failed_gates(decision["checks"])
 
 
 def engine_only_result(cfg, plan: Plan, prompts, engine: dict) -> dict:

@@ -36,30 +36,82 @@ def _proposal(p) -> str:
     return f"tree {p}" if proposals.is_tree(p) else f"k = {p}"
 
 
+def _gates_text(failed: list[str]) -> str:
+    return ", ".join(failed) if failed else "none"
+
+
+def _choice_text(ck: dict) -> str:
+    """Whether the chosen proposal passes the thresholds, and the fastest beside it when that one fails."""
+    chosen, fastest, failed = ck["chosen"], ck["fastest"], ck["failed_gates"]
+    if failed[proposals.label(chosen)]:
+        return (f"No proposal passes every threshold fixed before the run on these figures: the fastest, "
+                f"{_proposal(fastest)}, was measured, and the verdict below judges it.")
+    if chosen != fastest:
+        return (f"The fastest predicted, {_proposal(fastest)}, fails {_gates_text(failed[proposals.label(fastest)])}: "
+                f"{_proposal(chosen)} is the fastest that passes every threshold fixed before the run.")
+    return "It is also the fastest predicted, and passes every threshold fixed before the run on these figures."
+
+
 def _choose_k_lines(ck: dict | None) -> list[str]:
     """How k (or a tree) was chosen (choose_k, choose_tree): the calibration table, before any timed run."""
     if not ck:
         return []
-    tau, predicted = ck["tau"], ck["predicted_speedup"]
-    rows = [f"| {_proposal(p)} | {tau[proposals.label(p)]:.3f} | {ck['v'][str(proposals.verified_nodes(p))]:.3f} | "
-            f"{predicted[proposals.label(p)]:.3f} |" for p in ck["candidates"]]
+    rows = []
+    for p in ck["candidates"]:
+        key = proposals.label(p)
+        rows.append(f"| {_proposal(p)} | {ck['tau'][key]:.3f} | {ck['acceptance_rate'][key]:.3f} | "
+                    f"{ck['v'][str(proposals.verified_nodes(p))]:.3f} | {ck['predicted_speedup'][key]:.3f} | "
+                    f"{ck['memory_overhead_mb'][key]:.1f} / {ck['memory_limit_mb'][key]:.1f} | "
+                    f"{_gates_text(ck['failed_gates'][key])} |")
     lines = [f"{_proposal(ck['chosen'])} was chosen before the timed runs by predicted speedup tau / (d c + v(n+1)) "
              f"(d draft forwards and n verified tokens per round): tau from the draft teacher-forced on the "
-             f"target's outputs for the first {ck['prompts']} prompt(s), c = {ck['c']:.3f} and v timed then."]
+             f"target's outputs for the first {ck['prompts']} prompt(s), c = {ck['c']:.3f} and v timed then. "
+             "Each proposal is held to the decision's thresholds: its acceptance rate (tau - 1) / d, its predicted "
+             "speedup and its accounted memory; equivalence is judged on the timed run.",
+             _choice_text(ck)]
     best_chain = ck.get("best_chain")
     if isinstance(ck["chosen"], str) and best_chain is not None:
+        predicted = ck["predicted_speedup"]
         gain = predicted[proposals.label(ck["chosen"])] / predicted[proposals.label(best_chain)]
         lines.append(f"The tree is predicted {gain:.3f}x the best chain's speed (k = {best_chain}).")
-    return [*lines, "", "| proposal | tau | v(n+1) | predicted speedup |", "|---|---:|---:|---:|", *rows, ""]
+    return [*lines, "", "| proposal | tau | acceptance | v(n+1) | predicted speedup | memory / limit (MB) | fails |",
+            "|---|---:|---:|---:|---:|---:|---|", *rows, ""]
 
 
-def _packed_text(memory: dict) -> str:
-    """The CPU fast path's reordered weight copies (specdec/fast_linear.py), when it made any."""
-    draft, target = memory.get("draft_packed_mb", 0.0), memory.get("target_packed_mb", 0.0)
-    if not (draft or target):
-        return ""
-    return (f"; the CPU fast path holds reordered copies of weights: {draft:.1f} MB of the draft's, counted in its "
-            f"memory, and {target:.1f} MB of the target's, held by target-only decoding too")
+def _mb(n_bytes: int) -> str:
+    return f"{n_bytes / 2**20:.1f}"
+
+
+def _memory_lines(m: dict, share: float) -> list[str]:
+    """The accounted memory the gate reads (eval/memory.py), then the measured figures beside it."""
+    a, t = m["accounted"], m["target_only"]
+    shared = (f" (besides {m['shared_with_target_mb']:.1f} MB of input embeddings equal to the target's, which it "
+              "shares)" if m.get("shared_with_target_mb") else "")
+    return [
+        f"Memory, accounted (the gate's figure, the same in every run of this draft at these settings): draft "
+        f"weights {_mb(a['weights'])} MB{shared}, reordered weight copies the CPU fast path may make "
+        f"{_mb(a['copies'])} MB, KV cache {_mb(a['kv_cache'])} MB ({a['positions']} positions x batch "
+        f"{a['batch_size']}), target hidden states held {_mb(a['states'])} MB: {m['overhead_mb']:.1f} MB, against "
+        f"a limit of {m['limit_mb']:.1f} MB, {share:.0%} of target-only's {m['target_only_mb']:.1f} MB (weights "
+        f"{_mb(t['weights'])} MB, KV cache {_mb(t['kv_cache'])} MB).",
+        "",
+        f"Memory, measured (informational; it moves between runs): the largest peak difference between the two "
+        f"modes on the same prompts plus the draft's weights and the copies made, {m['rss_overhead_mb']:.1f} MB; "
+        f"reordered copies made in this run: {m.get('draft_packed_mb', 0.0):.1f} MB of the draft's, "
+        f"{m.get('target_packed_mb', 0.0):.1f} MB of the target's (held by target-only decoding too).",
+        "",
+    ]
+
+
+def _recommended_lines(r: dict) -> list[str]:
+    """The sweep's fastest configuration, when it is not the one reported (it fails a threshold)."""
+    rec = r.get("recommended") or {}
+    fastest = rec.get("fastest")
+    if not fastest or fastest["proposal"] == rec["proposal"] and fastest["batch_size"] == rec["batch_size"]:
+        return []
+    return [f"The fastest configuration by {rec['by']}, {fastest['proposal']} at batch size {fastest['batch_size']}, "
+            f"fails {_gates_text(fastest['failed_gates'])}: the report gives the fastest one whose verdict is "
+            f"enable, {rec['proposal']} at batch size {rec['batch_size']}.", ""]
 
 
 def _results_lines(r: dict) -> list[str]:
@@ -142,15 +194,10 @@ def to_markdown(r: dict) -> str:
         "",
         *[f"- {reason}" for reason in d["reasons"]],
         "",
+        *_recommended_lines(r),
         *_results_lines(r),
         *_choose_k_lines(r.get("choose_k")),
-        f"Memory: draft weights {r['memory']['draft_weights_mb']:.1f} MB"
-        + (f" (besides {r['memory']['shared_with_target_mb']:.1f} MB of input embeddings equal to the target's, "
-           "which it shares)" if r["memory"].get("shared_with_target_mb") else "")
-        + _packed_text(r["memory"])
-        + f", overhead over target-only {r['memory']['overhead_mb']:.1f} MB (the largest peak difference between "
-        "the two modes on the same prompts, plus the draft's weights and their copies).",
-        "",
+        *_memory_lines(r["memory"], cfg["thresholds"]["max_memory_overhead"]),
         f"Harness: {r['harness']['decoder_s']:.2f} s inside the decoders of {r['harness']['loop_s']:.2f} s of "
         f"measurement loop ({100 * r['harness']['overhead_fraction']:.1f}% outside the decoders, untimed).",
         "",
@@ -161,7 +208,7 @@ def to_markdown(r: dict) -> str:
     if r.get("sweep"):
         lines += ["", "## Sweep", "",
                   "| proposal | batch | speedup | analytical | tokens/s target-only | tokens/s speculative | acceptance | tau "
-                  "| c | v | equivalent | verdict |",
+                  "| c | v | equivalent | verdict (failing) |",
                   "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
         for row in r["sweep"]:
             mark = " **(recommended)**" if (row["num_draft_tokens"], row.get("tree"), row["batch_size"]) == (
@@ -171,7 +218,8 @@ def to_markdown(r: dict) -> str:
                 f"{row['analytical_speedup']:.3f} | {row['baseline_tokens_per_s']:.2f} | "
                 f"{row['speculative_tokens_per_s']:.2f} | {row['acceptance_rate']:.3f} | "
                 f"{row['mean_accepted_tokens']:.3f} | {row['c']:.3f} | {row['v']:.3f} | "
-                f"{_eq_word({'passed': row['equivalence_passed']})} | {row['verdict']} |")
+                f"{_eq_word({'passed': row['equivalence_passed']})} | {row['verdict']}"
+                + (f" ({_gates_text(row['failed_gates'])})" if row.get("failed_gates") else "") + " |")
     if r.get("categories"):
         lines += ["", "## By category", "",
                   "| category | prompts | tokens/s target-only | tokens/s speculative | speedup | acceptance | tau |",

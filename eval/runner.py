@@ -34,7 +34,7 @@ from specdec.compat import check_compatible
 from specdec.decode import DecodeStats, speculative_generate, target_generate
 from specdec.drafter import make_drafter
 from specdec.eval import decision as decision_mod
-from specdec.eval import engine_report, equivalence, metrics, plots, proposals, report
+from specdec.eval import engine_report, equivalence, memory, metrics, plots, proposals, report
 from specdec.eval.engine_vllm import check_settings
 from specdec.eval.verify import _draft_tokenizer, check_pair, first_turn, resolve_prompts_path
 from specdec.fast_linear import fast_linears
@@ -80,7 +80,8 @@ class EvalConfig:
     # Decision thresholds, fixed before the run; all must hold for `enable`.
     min_acceptance_rate: float = 0.5
     min_speedup: float = 1.1
-    max_memory_overhead: float = 0.2  # memory overhead allowed beyond the draft's weights, as a fraction of them
+    # accounted memory the draft may add, as a fraction of target-only's (its weights and KV cache; eval/memory.py)
+    max_memory_overhead: float = 0.2
     recommend_by: str = "speedup"  # speedup | tokens_per_s | latency_p50 | latency_p95
     plot_format: str = "png"
     cost_repeats: int = 10  # interleaved passes timing one cached forward of each kind, for c and v
@@ -232,19 +233,20 @@ class PeakMemory:
         return psutil.Process(os.getpid()).memory_info().rss / 2**20
 
 
-def _draft_memory_mb(memory: dict) -> float:
-    """What the draft holds that target-only serving would not: its weights and their reordered copies."""
-    return memory["draft_weights_mb"] + memory.get("draft_packed_mb", 0.0)
+def _accounted(cfg: EvalConfig, target, draft, longest_prompt: int, proposal, batch: int) -> dict:
+    """The memory gate's figures for one proposal at one batch size: the draft's accounted overhead and
+    target-only's, in bytes per item (eval/memory.py), their totals in MB and the limit fixed by the config."""
+    draft_side = memory.draft_overhead(draft, target, longest_prompt, cfg.max_new_tokens,
+                                       proposals.verified_nodes(proposal), batch)
+    target_side = memory.target_only(target, longest_prompt, cfg.max_new_tokens, batch)
+    target_mb = target_side["total"] / memory.MB
+    return {"accounted": draft_side, "target_only": target_side, "overhead_mb": draft_side["total"] / memory.MB,
+            "target_only_mb": target_mb, "limit_mb": cfg.thresholds().memory_limit_mb(target_mb)}
 
 
-def _weights_mb(model, shared_with=None) -> float:
-    """Memory of a model's parameters and buffers, leaving out tensors it shares with `shared_with`."""
-    def tensors(m):
-        return list(m.parameters()) + list(m.buffers())
-
-    skip = {t.untyped_storage().data_ptr() for t in tensors(shared_with)} if shared_with is not None else set()
-    return sum(t.numel() * t.element_size() for t in tensors(model)
-               if t.untyped_storage().data_ptr() not in skip) / 2**20
+def _batch_for(cfg: EvalConfig, proposal) -> int:
+    """The batch size a proposal's memory is accounted at: the run's largest (a tree decodes one prompt at a time)."""
+    return 1 if proposals.is_tree(proposal) else max(cfg.batch_size)
 
 
 class _CachedStep:
@@ -324,14 +326,17 @@ def measure_costs(target, draft, ids: torch.Tensor, ks: list[int], repeats: int,
 
 
 def choose_num_draft_tokens(target, draft, prompts: list[list[int]], candidates: list, cfg: EvalConfig,
-                            eos, pad, device: torch.device) -> dict:
+                            eos, pad, device: torch.device, longest_prompt: int | None = None) -> dict:
     """Pick k (or a static tree) by predicted speedup: tau / (d c + v(n+1)), all measured here, before any timed
-    run (eval/proposals.py: d draft forwards, n verified nodes per round).
+    run (eval/proposals.py: d draft forwards, n verified nodes per round): the fastest candidate that passes the
+    config's thresholds, or the fastest overall when none does (eval/decision.py: prefer_passing).
 
     tau comes from the draft teacher-forced on the target's own outputs for `prompts`: greedy rounds replayed
     exactly from the ranks of the target's tokens among the draft's proposals (specdec/replay.py, for any kind of
     draft). Under sampling the target's sampled output and the draft's ranking give an estimate, not the exact
-    figure. c and v are timed as in the report.
+    figure. c and v are timed as in the report. The gates are held to these figures: the acceptance rate (tau - 1)
+    / d, the predicted speedup, and the accounted memory for prompts of up to `longest_prompt` tokens (default:
+    the longest of `prompts`); equivalence and fallback are judged on the timed run only.
     """
     ranks, steps = [], max(proposals.depth(p) for p in candidates)
     with torch.inference_mode():
@@ -354,16 +359,31 @@ def choose_num_draft_tokens(target, draft, prompts: list[list[int]], candidates:
     nodes = sorted({proposals.verified_nodes(p) for p in candidates})
     costs = measure_costs(target, draft, torch.tensor([prompts[0]], device=device), nodes, cfg.cost_repeats)
     predicted = {p: proposals.predicted_speedup(tau[p], p, costs["c"], costs["v"]) for p in candidates}
-    chosen = max(candidates, key=lambda p: (predicted[p], -proposals.verified_nodes(p)))
+    # a round emits its accepted tokens plus one correction or bonus token, and proposes d
+    acceptance = {p: (tau[p] - 1.0) / proposals.depth(p) for p in candidates}
+    longest = longest_prompt or max(map(len, prompts))
+    mem = {p: _accounted(cfg, target, draft, longest, p, _batch_for(cfg, p)) for p in candidates}
+    failed = {p: decision_mod.failed_gates(decision_mod.threshold_checks(
+        acceptance[p], predicted[p], mem[p]["overhead_mb"], mem[p]["target_only_mb"], cfg.thresholds()))
+        for p in candidates}
+    chosen, fastest = decision_mod.prefer_passing(
+        candidates, lambda p: (-predicted[p], proposals.verified_nodes(p)), failed)
     chains = [p for p in candidates if not proposals.is_tree(p)]
     best_chain = max(chains, key=lambda p: (predicted[p], -p)) if chains else None
-    log.info("choose_k: predicted speedup %s -> %s", {proposals.label(p): round(v, 3) for p, v in predicted.items()},
-             proposals.label(chosen))
-    # Keyed by label ("k=2", "tree=2"): a one-level tree and the chain of its width share the shape text.
+    log.info("choose_k: predicted speedup %s, failing %s -> %s (fastest %s)",
+             {proposals.label(p): round(v, 3) for p, v in predicted.items()},
+             {proposals.label(p): f for p, f in failed.items() if f}, proposals.label(chosen), proposals.label(fastest))
+
+    def by_label(values: dict) -> dict:  # "k=2" / "tree=2": a one-level tree and the chain of its width share a text
+        return {proposals.label(p): values[p] for p in candidates}
+
     return {"candidates": candidates, "prompts": len(prompts),
-            "tau": {proposals.label(p): tau[p] for p in candidates}, "c": costs["c"], "v": costs["v"],
-            "predicted_speedup": {proposals.label(p): predicted[p] for p in candidates},
-            "chosen": chosen, "best_chain": best_chain,
+            "tau": by_label(tau), "c": costs["c"], "v": costs["v"],
+            "predicted_speedup": by_label(predicted), "acceptance_rate": by_label(acceptance),
+            "memory_overhead_mb": by_label({p: m["overhead_mb"] for p, m in mem.items()}),
+            "memory_limit_mb": by_label({p: m["limit_mb"] for p, m in mem.items()}),
+            "gates_checked": ["acceptance_rate", "speedup", "memory"], "failed_gates": by_label(failed),
+            "chosen": chosen, "fastest": fastest, "best_chain": best_chain,
             "top_n_agreement": replay.top_n_agreement(ranks)}
 
 
@@ -499,18 +519,21 @@ def _run(cfg: EvalConfig) -> dict:
     pad = tokenizer_pad_id(tokenizer)
     log.info("measuring the CPU linear kernels for every row count the decoders use (specdec/fast_linear.py)")
     fast_linear.calibrate(target, draft)  # here, so that no timed call below pays for a first measurement
+    longest = max(map(len, encoded))
     chosen_k = None
     if cfg.choose_k:
         chosen_k = choose_num_draft_tokens(target, draft, encoded[: cfg.choose_k_prompts],
-                                           [*cfg.choose_k, *cfg.choose_tree], cfg, eos, pad, device)
+                                           [*cfg.choose_k, *cfg.choose_tree], cfg, eos, pad, device, longest)
         chosen = chosen_k["chosen"]
         cfg = dataclasses.replace(cfg, num_draft_tokens=[] if proposals.is_tree(chosen) else [chosen],
                                   tree=[chosen] if proposals.is_tree(chosen) else [])
     calls, costs, timing = _measure(cfg, target, draft, encoded, eos, pad, device)
 
     # What serving the draft adds: tensors it shares with the target count once, in the target.
-    weights = {"draft_weights_mb": _weights_mb(draft, shared_with=target), "shared_with_target_mb": shared_mb,
-               # copies of weights the CPU fast path reordered (calibrate made them, so both modes' peaks hold them)
+    weights = {"draft_weights_mb": memory.weights_bytes(draft, shared_with=target) / memory.MB,
+               "shared_with_target_mb": shared_mb,
+               # copies of weights the CPU fast path reordered in this run (calibrate made them, so both modes'
+               # peaks hold them); the gate counts every copy it may make instead (eval/memory.py)
                "draft_packed_mb": fast_linear.packed_mb(draft, shared_with=target),
                "target_packed_mb": fast_linear.packed_mb(target)}
     rows = []
@@ -518,11 +541,11 @@ def _run(cfg: EvalConfig) -> dict:
         base = [c for c in calls if c.batch_size == b and c.mode == "baseline"]
         for k in cfg.proposals(b):
             spec = [c for c in calls if c.batch_size == b and c.k == k]
-            rows.append(_config_row(cfg, prompts, base, spec, k, b, costs[b], weights))
-    best = _recommend(rows, cfg.recommend_by)
-
-    eq = _judge(cfg, rows, best, target, draft, encoded[0])
-    result = _assemble(cfg, prompts, rows, best, eq, costs, device, timing)
+            accounted = _accounted(cfg, target, draft, longest, k, b)
+            rows.append(_config_row(cfg, prompts, base, spec, k, b, costs[b], {**weights, **accounted}))
+    _judge(cfg, rows, target, draft, encoded[0])
+    best, fastest = _recommend(rows, cfg.recommend_by)
+    result = _assemble(cfg, prompts, rows, best, fastest, best["equivalence"], costs, device, timing)
     if chosen_k is not None:
         result["choose_k"] = chosen_k
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -576,16 +599,14 @@ def _measure(cfg: EvalConfig, target, draft, encoded: list[list[int]], eos, pad,
     return calls, costs, {"loop_s": loop_seconds, "decoder_s": decoder_seconds}
 
 
-def _judge(cfg: EvalConfig, rows: list[dict], best: dict, target, draft, first_prompt: list[int]) -> dict:
-    """Fill each row's equivalence and decision; returns the report's top-level equivalence entry."""
-    eq = best["equivalence"]
+def _judge(cfg: EvalConfig, rows: list[dict], target, draft, first_prompt: list[int]) -> None:
+    """Fill each row's equivalence and decision."""
     if cfg.sampling().greedy:
         # A mismatch in any configuration means the decoder is not exact here: no configuration is enabled.
         all_passed = all(r["equivalence"]["passed"] for r in rows)
         for row in rows:
             row["equivalence"] = {**row["equivalence"], "all_configurations_passed": all_passed}
             row["equivalence"]["passed"] = row["equivalence"]["passed"] and all_passed
-        eq = best["equivalence"]
     else:
         check = None
         if cfg.equivalence_samples:
@@ -598,10 +619,8 @@ def _judge(cfg: EvalConfig, rows: list[dict], best: dict, target, draft, first_p
     for row in rows:
         row["decision"] = decision_mod.decide(
             row["speculative"]["acceptance_rate"], row["speedup"], row["equivalence"]["passed"],
-            row["memory"]["overhead_mb"], _draft_memory_mb(row["memory"]), cfg.thresholds(),
+            row["memory"]["overhead_mb"], row["memory"]["target_only_mb"], cfg.thresholds(),
             row["speculative"]["fallback"])
-
-    return eq
 
 
 def _decode(target, draft, k, ids, mask, sampling, cfg, eos, pad, gen):
@@ -614,7 +633,7 @@ def _decode(target, draft, k, ids, mask, sampling, cfg, eos, pad, gen):
     return speculative_generate(target, draft, ids, mask, k, sampling, cfg.max_new_tokens, eos, gen, pad, timing=True)
 
 
-def _config_row(cfg, prompts, base: list[Call], spec: list[Call], k: int, b: int, cost: dict, weights: dict) -> dict:
+def _config_row(cfg, prompts, base: list[Call], spec: list[Call], k: int, b: int, cost: dict, mem: dict) -> dict:
     """Every figure of one (k or tree, batch size) configuration."""
     bm, sm = _mode_metrics(base), _mode_metrics(spec)
     d = proposals.depth(k)
@@ -637,23 +656,30 @@ def _config_row(cfg, prompts, base: list[Call], spec: list[Call], k: int, b: int
         "analytical_speedup": metrics.analytical_speedup(st["per_position_acceptance"], cost["c"], v),
         "expected_tokens_per_round": metrics.expected_tokens_per_round(st["per_position_acceptance"]),
         "cost": {"c": cost["c"], "v": v},
-        "memory": {**weights, "overhead_mb": metrics.memory_overhead_mb(
-            [by_group_base[g] for g in groups], [by_group_spec[g] for g in groups], _draft_memory_mb(weights))},
+        # the gate reads the accounted overhead_mb; the measured peaks' figure is informational (it moves between runs)
+        "memory": {**mem, "rss_overhead_mb": metrics.memory_overhead_mb(
+            [by_group_base[g] for g in groups], [by_group_spec[g] for g in groups],
+            mem["draft_weights_mb"] + mem["draft_packed_mb"])},
         "equivalence": eq,
         "categories": _categories(prompts, base, spec, d),
         "samples": [(prompts[i].prompt_id, prompts[i].category, by_row_base[i], by_row_spec[i]) for i in order],
     }
 
 
-def _recommend(rows: list[dict], by: str) -> dict:
-    """The best row by the chosen metric (ties: smaller k, then smaller batch)."""
+def _recommend(rows: list[dict], by: str) -> tuple[dict, dict]:
+    """(recommended, fastest): the best row by the chosen metric among those whose verdict is enable, and the best
+    overall, which is also the recommended one when no row passes (ties: smaller k, then smaller batch)."""
     key = {
         "speedup": lambda r: -r["speedup"],
         "tokens_per_s": lambda r: -r["speculative"]["tokens_per_s"],
         "latency_p50": lambda r: r["speculative"]["latency_s"]["p50"],
         "latency_p95": lambda r: r["speculative"]["latency_s"]["p95"],
     }[by]
-    return min(rows, key=lambda r: (key(r), r["num_draft_tokens"], r["batch_size"]))
+    index = list(range(len(rows)))  # rows are dicts (unhashable): choose among their positions
+    chosen, fastest = decision_mod.prefer_passing(
+        index, lambda i: (key(rows[i]), rows[i]["num_draft_tokens"], rows[i]["batch_size"]),
+        {i: rows[i]["decision"]["failed_gates"] for i in index})
+    return rows[chosen], rows[fastest]
 
 
 def _public(mode: dict) -> dict:
@@ -661,7 +687,12 @@ def _public(mode: dict) -> dict:
         {"fallback": mode["fallback"]} if "fallback" in mode else {})
 
 
-def _assemble(cfg, prompts, rows, best, eq, costs, device, timing) -> dict:
+def _row_name(row: dict) -> dict:
+    return {"num_draft_tokens": row["num_draft_tokens"], "tree": row["tree"], "proposal": row["proposal"],
+            "batch_size": row["batch_size"]}
+
+
+def _assemble(cfg, prompts, rows, best, fastest, eq, costs, device, timing) -> dict:
     config = {
         "target": cfg.target, "draft": cfg.draft, "num_draft_tokens": best["num_draft_tokens"], "tree": best["tree"],
         "temperature": cfg.temperature, "top_k": cfg.top_k, "top_p": cfg.top_p,
@@ -686,9 +717,10 @@ def _assemble(cfg, prompts, rows, best, eq, costs, device, timing) -> dict:
         "memory": best["memory"],
         "equivalence": eq,
         "decision": best["decision"],
-        "recommended": {"num_draft_tokens": best["num_draft_tokens"], "tree": best["tree"],
-                        "proposal": best["proposal"], "batch_size": best["batch_size"],
-                        "by": cfg.recommend_by},
+        # the best configuration whose verdict is enable (the best overall when none is), and the best overall
+        "recommended": {**_row_name(best), "by": cfg.recommend_by,
+                        "fastest": {**_row_name(fastest), "verdict": fastest["decision"]["verdict"],
+                                    "failed_gates": fastest["decision"]["failed_gates"]}},
         # The measurement loop's wall time vs the time inside decoder calls (cost timing and warm-up excluded).
         "harness": {**timing, "overhead_fraction": max(0.0, 1 - timing["decoder_s"] / timing["loop_s"])
                     if timing["loop_s"] else 0.0},
@@ -709,7 +741,7 @@ def _assemble(cfg, prompts, rows, best, eq, costs, device, timing) -> dict:
             "speculative_latency_p50_s": r["speculative"]["latency_s"]["p50"],
             "c": r["cost"]["c"], "v": r["cost"]["v"],
             "equivalence_passed": r["equivalence"]["passed"], "mismatches": r["equivalence"]["mismatches"],
-            "verdict": r["decision"]["verdict"],
+            "verdict": r["decision"]["verdict"], "failed_gates": r["decision"]["failed_gates"],
         } for r in rows]
     return result
 

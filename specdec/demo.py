@@ -182,6 +182,18 @@ def estimate_eval_minutes(eval_cfg) -> float:
     return prompts * eval_cfg.max_new_tokens * step_s * (1 + timed_ks + 0.5) / 60
 
 
+def _choice_lines(report: dict) -> list[str]:
+    """choose_k's pick beside the fastest predicted proposal, when the fastest failed a threshold."""
+    from specdec.eval.proposals import label
+
+    ck = report.get("choose_k")
+    if not ck or ck.get("fastest") in (None, ck["chosen"]):
+        return []
+    failed = ", ".join(ck["failed_gates"][label(ck["fastest"])])
+    return [f"chosen            {label(ck['chosen'])}, the fastest predicted to pass every threshold "
+            f"(fastest: {label(ck['fastest'])}, fails {failed})"]
+
+
 def _print_summary(report: dict, eval_dir: Path, draft_dir: Path, timings: dict[str, float]) -> None:
     spec = report.get("speculative", {})
     config = report.get("config", {})
@@ -193,6 +205,7 @@ def _print_summary(report: dict, eval_dir: Path, draft_dir: Path, timings: dict[
         f"draft             {draft_dir}",
         (f"tree              {config['tree']} (depth {config.get('num_draft_tokens')})" if config.get("tree")
          else f"k                 {config.get('num_draft_tokens')}"),
+        *_choice_lines(report),
         f"acceptance rate   {spec.get('acceptance_rate', float('nan')):.3f}",
         f"mean accepted     {spec.get('mean_accepted_tokens', float('nan')):.2f} tokens per round",
         f"speedup           {report.get('speedup', float('nan')):.2f}x vs the target alone (same run, same prompts)",

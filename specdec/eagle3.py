@@ -23,7 +23,6 @@ unrolls those steps ("training-time test") with an attention that costs each ste
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import torch
@@ -39,6 +38,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from specdec.drafter import Drafter
+from specdec.eagle3_attention import unrolled_attention
 from specdec.kv import Batch, rollback
 from specdec.replay import RANK_CAP, true_token_ranks
 
@@ -47,6 +47,10 @@ WEIGHTS_FILE = "model.safetensors"
 FORMATS = ("engines", "speculators")  # the published layouts (save_pretrained)
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose format `format="speculators"` writes
 OLD_FEATURE_FLAG = "specdec_feature_draft"  # specdec's earlier feature-draft layout (replaced by this one)
+# How recorded target states are stored: bf16 keeps float32's range, which the residual streams of large targets
+# need (their outlier dimensions reach magnitudes where float16 loses precision or overflows); the peers store
+# bf16 too. Folders written in float16 by earlier versions still read (every reader casts to float32).
+RECORDED_STATES_DTYPE = torch.bfloat16
 
 
 def default_layer_ids(num_layers: int) -> list[int]:
@@ -218,15 +222,15 @@ class Eagle3Draft(nn.Module):
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
                 from_target: bool = True, cache: DynamicCache | None = None,
                 attention_mask: torch.Tensor | None = None, logits_to_keep: int = 0, ttt_steps: int = 0,
-                tree_mask: torch.Tensor | None = None):
+                tree_mask: torch.Tensor | None = None, document_ids: torch.Tensor | None = None):
         """One cached step: (pre-norm outputs [B, n, H], logits [B, n or logits_to_keep, draft_vocab]).
 
         `attention_mask` [B, past + n] marks real (1) and padding (0) positions of the cache and the new ones;
         `tree_mask` [n, past + n] (True = may attend) replaces causal attention for a draft tree's nodes.
-        With `ttt_steps` > 0 it returns `unrolled(input_ids, hidden, attention_mask, ttt_steps)` instead: training
-        calls it through forward so that a DDP wrapper synchronises the gradients."""
+        With `ttt_steps` > 0 it returns `unrolled(input_ids, hidden, attention_mask, ttt_steps, document_ids)`
+        instead: training calls it through forward so that a DDP wrapper synchronises the gradients."""
         if ttt_steps:
-            return self.unrolled(input_ids, hidden, attention_mask, ttt_steps)
+            return self.unrolled(input_ids, hidden, attention_mask, ttt_steps, document_ids)
         h = self.hidden_in(hidden, from_target)
         embeds = self.embed_tokens(input_ids)
         cos, sin = self._rotary(h, position_ids)
@@ -254,7 +258,7 @@ class Eagle3Draft(nn.Module):
         return self.lm_head(self.norm(prenorm))
 
     def unrolled(self, input_ids: torch.Tensor, target_hidden: torch.Tensor, attention_mask: torch.Tensor,
-                 steps: int) -> list[torch.Tensor]:
+                 steps: int, document_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Training-time test: the pre-norm outputs [B, n, H] of each of `steps` unrolled proposals, n = S - 1.
 
         Step 1 at draft position t reads (x_{t+1}, the target's hidden states at t) with causal attention: the
@@ -264,46 +268,39 @@ class Eagle3Draft(nn.Module):
         at s + 1 .. t (step i's key at t - (j - i), i = 2..j). Those are exactly the keys used here, so the
         unrolled outputs equal the decoder's proposals. Each step costs one causal attention over step 1's keys
         plus j - 1 single diagonal keys, so the cost grows linearly in `steps` (a dense mask over all steps' keys
-        would grow quadratically).  input_ids, attention_mask: [B, S]; target_hidden: [B, S, 3 H_target]."""
+        would grow quadratically); that attention runs in chunks of queries, recomputed in backward, so memory
+        grows linearly in n (specdec/eagle3_attention.py).  input_ids, attention_mask: [B, S] (rows right-padded);
+        target_hidden: [B, S, 3 H_target].
+
+        `document_ids` [B, S] (packed rows: each row several documents, each a contiguous run of positions) makes
+        each document's outputs those of the document alone: draft position t belongs to position t's document,
+        attends only within it, takes rotary positions counted from the document's start, and a document's first
+        position reads no earlier step output. The position reading the next document's first token (the last of
+        each document but the row's last) has no counterpart alone: its loss must be masked."""
         ids, valid = input_ids[:, 1:], attention_mask[:, 1:].bool()
         b, n = ids.shape
-        positions = torch.arange(n, device=ids.device)[None].expand(b, n)
+        docs = None if document_ids is None else document_ids[:, :-1]  # draft position t: its hidden state's document
+        positions = torch.arange(n, device=ids.device)[None].expand(b, n) if docs is None else positions_in_documents(docs)
         embeds = self.embed_tokens(ids)
         h = self.hidden_in(target_hidden[:, :-1], from_target=True)
         cos, sin = self._rotary(h, positions)
         layer = self.midlayer
-        rep = layer.heads // layer.kv_heads
-        scale = 1.0 / math.sqrt(layer.head_dim)
-        query_pos = torch.arange(n, device=ids.device)[:, None]
-        key_pos = torch.arange(n, device=ids.device)[None, :]
         first_keys = first_values = None
         diag_keys, diag_values, outputs = [], [], []
         for step in range(1, steps + 1):
             q, k, v, residual = layer.qkv(embeds, h, cos, sin)
-            k, v = repeat_kv(k, rep), repeat_kv(v, rep)
             if step == 1:
                 first_keys, first_values = k, v
-            else:
+            else:  # step i's key at t - (step - i) for i = 2..step: the round's own earlier proposals (and this one)
                 diag_keys.append(k)
                 diag_values.append(v)
-            # Step 1's keys at positions <= t - (step - 1), real tokens only.
-            allowed = (key_pos <= query_pos - (step - 1))[None, None] & valid[:, None, None, :]
-            scores = (q @ first_keys.transpose(-1, -2)) * scale  # [B, heads, n, n]
-            scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-            # Step i's key at t - (step - i) for i = 2..step: the round's own earlier proposals (and this one).
-            shifted_k = [_shift(dk, step - i) for i, dk in enumerate(diag_keys, start=2)]
-            shifted_v = [_shift(dv, step - i) for i, dv in enumerate(diag_values, start=2)]
-            diag = [(q * sk).sum(-1, keepdim=True) * scale for sk in shifted_k]  # each [B, heads, n, 1]
-            reach = [(query_pos >= step - i)[None, None] for i in range(2, step + 1)]
-            diag = [d.masked_fill(~r, torch.finfo(d.dtype).min) for d, r in zip(diag, reach)]
-            weights = torch.softmax(torch.cat([scores, *diag], dim=-1).float(), dim=-1).to(q.dtype)
-            attended = weights[..., :n] @ first_values
-            for j, sv in enumerate(shifted_v):
-                attended = attended + weights[..., n + j : n + j + 1] * sv
+            attended = unrolled_attention(q, first_keys, first_values, diag_keys, diag_values, valid, docs)
             out = layer.finish(attended, residual)
             outputs.append(out)
             # the next step at t reads this step's output at t - 1 (no fc: the draft's own hidden width)
             h = F.pad(out[:, :-1], (0, 0, 1, 0))
+            if docs is not None:  # a document's first position reads nothing before it, as alone
+                h = h.masked_fill((positions == 0)[..., None], 0.0)
         return outputs
 
     # ---- teacher-forced replay (specdec/replay.py)
@@ -498,11 +495,12 @@ class Eagle3Draft(nn.Module):
         return Eagle3Drafter(self, target, sampling)
 
 
-def _shift(x: torch.Tensor, by: int) -> torch.Tensor:
-    """x at position t - by (zeros before the start), along dim 2.  [B, h, n, d]"""
-    if by == 0:
-        return x
-    return F.pad(x[:, :, :-by], (0, 0, by, 0))
+def positions_in_documents(document_ids: torch.Tensor) -> torch.Tensor:
+    """Each position's offset from the start of its document (documents are contiguous runs).  [B, n] -> [B, n]"""
+    index = torch.arange(document_ids.shape[1], device=document_ids.device)[None].expand_as(document_ids)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    return index - torch.where(starts, index, 0).cummax(dim=1).values
 
 
 def _init_weights(module: nn.Module) -> None:
@@ -516,8 +514,8 @@ def _init_weights(module: nn.Module) -> None:
 class HiddenStateRecorder:
     """The target's residual stream after each of `layer_ids` decoder layers, from its latest forward, [B, n, 3H]
     (forward hooks on the decoder layers; no second forward). With `final=True` the final norm's output (what
-    the head reads) comes first: the online teacher's input. `history=True` keeps every forward's states (float16,
-    on the CPU), in order: what `specdec data record_features=true` stores."""
+    the head reads) comes first: the online teacher's input. `history=True` keeps every forward's states
+    (RECORDED_STATES_DTYPE, on the CPU), in order: what `specdec data record_features=true` stores."""
 
     def __init__(self, target: nn.Module, layer_ids: list[int], final: bool = False, history: bool = False):
         layers = target.get_decoder().layers
@@ -532,7 +530,7 @@ class HiddenStateRecorder:
         def keep(_module, _inputs, output) -> None:
             self._parts[index] = output[0] if isinstance(output, tuple) else output
             if index == self._last and self.history is not None:
-                self.history.append(self.latest.detach().to("cpu", torch.float16))
+                self.history.append(self.latest.detach().to("cpu", RECORDED_STATES_DTYPE))
         return keep
 
     @property

@@ -325,7 +325,8 @@ def test_the_loss_is_zero_only_where_the_draft_can_propose(target4):
     draft vocabulary without any of the data's tokens gives a zero loss (not a nan)."""
     from specdec.train.batches import collate
     from specdec.train.distill import TrainConfig
-    from specdec.train.eagle3_train import eagle3_loss, target_states
+    from specdec.train.eagle3_states import target_states
+    from specdec.train.eagle3_train import eagle3_loss
 
     draft = Eagle3Draft.from_target(target4, LAYERS, keep_ids=torch.tensor([3, 4]))
     seqs = [[10, 11, 12, 13, 14, 15], [20, 21, 22, 23]]
@@ -338,9 +339,68 @@ def test_the_loss_is_zero_only_where_the_draft_can_propose(target4):
     assert float(loss.detach()) == 0.0 and loss.requires_grad
 
 
+@pytest.mark.parametrize("teacher", ["online", "offline"])
+def test_packed_and_unpacked_batches_give_the_same_loss_and_gradients(target4, teacher):
+    """Samples packed into rows (document ids through every attention, positions and the loss) train exactly as
+    the same samples one per row: the loss and every gradient agree to float rounding."""
+    from specdec.train import losses
+    from specdec.train.batches import collate, pack, pack_order, place
+    from specdec.train.distill import TrainConfig
+    from specdec.train.eagle3_states import target_states
+    from specdec.train.eagle3_train import eagle3_loss, teacher_head
+
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(4, VOCAB, (n,), generator=g).tolist() for n in (9, 5, 12, 7, 4, 10)]
+    prompts = [3, 2, 5, 3, 2, 4]
+    tops = [[torch.randint(4, VOCAB, (3,), generator=g).tolist() for _ in range(len(q) - p)] for q, p in zip(seqs, prompts)]
+    logps = [[sorted(torch.randn(3, generator=g).log_softmax(-1).tolist(), reverse=True) for _ in t] for t in tops]
+    batch = collate({"input_ids": seqs, "prompt_length": prompts, "top_ids": tops, "top_logprobs": logps},
+                    pad_id=0, max_length=32)
+    packed = pack(batch, max_length=20)
+    assert len(packed["input_ids"]) < len(seqs) and packed["attention_mask"].sum() == batch["attention_mask"].sum()
+    assert all(sum(len(seqs[i]) for i in row) <= 20 for row in pack_order([len(q) for q in seqs], 20))
+    draft = Eagle3Draft.from_target(target4, LAYERS, keep_ids=torch.arange(60), seed=1)
+    inv = losses.target_to_draft_map(draft.draft_to_target, VOCAB)
+    head = teacher_head(target4.get_output_embeddings(), draft.kept_ids()) if teacher == "online" else None
+    states = target_states(target4, batch["input_ids"], batch["attention_mask"], LAYERS).float()
+    cfg = TrainConfig(draft="eagle3", teacher=teacher, ttt_steps=3, eagle_aux_layer_ids=LAYERS)
+    results = []
+    for b, s in ((batch, states), (packed, place(states, packed))):
+        draft.zero_grad()
+        loss = eagle3_loss(cfg, draft, b, s, head, inv)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}))
+    (loss_u, grads_u), (loss_p, grads_p) = results
+    assert float(loss_u) > 0
+    torch.testing.assert_close(loss_p, loss_u, atol=1e-5, rtol=1e-5)
+    assert grads_u.keys() == grads_p.keys() and grads_u
+    for name in grads_u:
+        torch.testing.assert_close(grads_p[name], grads_u[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_a_batch_with_nothing_scored_still_gives_every_parameter_a_gradient(target4):
+    """DDP's reducer expects a gradient for every parameter from every process: a micro-batch with no scored
+    position (all prompt, say) must still reach the head, the norm and fc, with zeros."""
+    from specdec.train.batches import collate
+    from specdec.train.distill import TrainConfig
+    from specdec.train.eagle3_states import target_states
+    from specdec.train.eagle3_train import eagle3_loss
+
+    draft = Eagle3Draft.from_target(target4, LAYERS, keep_ids=torch.arange(40))
+    batch = collate({"input_ids": [[10, 11, 12, 13]], "prompt_length": [4]}, pad_id=0, max_length=16)
+    assert not batch["loss_mask"].any()
+    states = target_states(target4, batch["input_ids"], batch["attention_mask"], LAYERS).float()
+    cfg = TrainConfig(draft="eagle3", teacher="online", ttt_steps=3, eagle_aux_layer_ids=LAYERS)
+    loss = eagle3_loss(cfg, draft, batch, states, None, None)
+    loss.backward()
+    assert float(loss.detach()) == 0.0
+    trainable = [(n, p) for n, p in draft.named_parameters() if p.requires_grad]
+    assert trainable and all(p.grad is not None and not p.grad.any() for _, p in trainable)
+
+
 @pytest.mark.usefixtures("fresh_accelerate_state")
-@pytest.mark.parametrize("teacher, steps", [("offline", 1), ("online", 3)])
-def test_the_trainer_distils_an_eagle3_draft_end_to_end(tmp_path, teacher, steps):
+@pytest.mark.parametrize("teacher, steps, pack", [("offline", 1, False), ("online", 3, False), ("offline", 2, True)])
+def test_the_trainer_distils_an_eagle3_draft_end_to_end(tmp_path, teacher, steps, pack):
     """draft=eagle3 through the real loop: reduced head, unrolled steps, held-out tau from the replay, best/ and
     final/ that load as EAGLE-3 drafts and decode exactly; the loss falls on one repeated batch."""
     import logging
@@ -354,7 +414,7 @@ def test_the_trainer_distils_an_eagle3_draft_end_to_end(tmp_path, teacher, steps
                               output_dir=str(tmp_path / "run"), device="cpu", draft="eagle3", teacher=teacher,
                               eagle_aux_layer_ids=LAYERS, draft_vocab_size=40, ttt_steps=steps, max_steps=12,
                               per_device_batch_size=24, warmup_steps=0, log_every=1, eval_every=6, save_every=6,
-                              eval_samples=6, eval_batch_size=3, learning_rate=3e-3)
+                              eval_samples=6, eval_batch_size=3, learning_rate=3e-3, pack=pack)
     messages = []
     handler = logging.Handler()
     handler.emit = lambda record: messages.append(record.getMessage())
@@ -385,7 +445,7 @@ def test_states_recorded_by_the_data_stage_spare_the_target_forward(tmp_path, mo
     states; data recorded with other layers, or without states, falls back to computing them."""
     from conftest import save_tiny_world
 
-    from specdec.train import distill, eagle3_train
+    from specdec.train import distill, eagle3_states
     from specdec.train.data import DataConfig
     from specdec.train.data import run as run_data
 
@@ -402,7 +462,7 @@ def test_states_recorded_by_the_data_stage_spare_the_target_forward(tmp_path, mo
     def no_target_forward(*_args, **_kw):
         raise AssertionError("the target ran for states the data stage recorded")
 
-    monkeypatch.setattr(eagle3_train, "target_states", no_target_forward)
+    monkeypatch.setattr(eagle3_states, "target_states", no_target_forward)
     cfg = distill.TrainConfig(target=str(ws / "target"), train_data=str(tmp_path / "recorded"),
                               heldout_data=str(tmp_path / "recorded_heldout"), output_dir=str(tmp_path / "run"),
                               device="cpu", draft="eagle3", teacher="online", ttt_steps=2, eagle_aux_layer_ids=LAYERS,
@@ -410,26 +470,66 @@ def test_states_recorded_by_the_data_stage_spare_the_target_forward(tmp_path, mo
                               eval_samples=3, learning_rate=3e-3)
     distill.run(cfg)
     assert len((tmp_path / "run" / "eval.jsonl").read_text().splitlines()) == 2
+    other = dataclasses.replace(cfg, train_data=str(tmp_path / "other"), output_dir=str(tmp_path / "run2"))
     with pytest.raises(AssertionError, match="recorded"):  # recorded with other layers: the states are computed
-        distill.run(dataclasses.replace(cfg, train_data=str(tmp_path / "other"), output_dir=str(tmp_path / "run2")))
+        distill.run(other)
+    with pytest.raises(ValueError, match="no recorded target states"):  # unless the recipe says they must be read
+        distill.run(dataclasses.replace(other, states="recorded", output_dir=str(tmp_path / "run3")))
+    with pytest.raises(AssertionError, match="recorded"):  # online: the target runs on every batch regardless
+        distill.run(dataclasses.replace(cfg, states="online", output_dir=str(tmp_path / "run4")))
 
 
-def test_states_cache_computes_once_and_tells_same_ids_with_other_tokens_apart(target4):
+def test_states_are_read_per_batch_as_recorded_or_computed_online(tmp_path):
+    """A batch's rows read their own recorded states (bf16, equal to the target's to its rounding), by the
+    pointer each loaded row carries, whatever order they come in; rows without a recording are computed."""
     import contextlib
 
-    from specdec.train.eagle3_train import StatesCache, target_states
+    from conftest import save_tiny_world
 
-    cache = StatesCache(target4, contextlib.nullcontext, LAYERS, target4.config.hidden_size)
-    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 0]])
-    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
-    first = cache(["a", "b"], {"input_ids": ids, "attention_mask": mask})
-    expected = target_states(target4, ids[:1], mask[:1], LAYERS)[0].float()
-    torch.testing.assert_close(first[0], expected, atol=1e-2, rtol=1e-2)
-    assert first.shape[-1] == 4 * target4.config.hidden_size and first[1, 3].abs().sum() == 0
-    other = cache(["a"], {"input_ids": torch.tensor([[5, 6, 7, 9]]), "attention_mask": torch.ones(1, 4, dtype=torch.long)})
-    assert len(cache.store) == 3 and not torch.equal(other[0, 3], first[0, 3])
-    again = cache(["b", "a"], {"input_ids": ids.flip(0), "attention_mask": mask.flip(0)})
-    assert len(cache.store) == 3 and torch.equal(again[1], first[0])
+    from specdec.eagle3 import RECORDED_STATES_DTYPE
+    from specdec.models import load_model
+    from specdec.train.batches import collate, load_split
+    from specdec.train.data import DataConfig, features_file, read_manifest
+    from specdec.train.data import run as run_data
+    from specdec.train.eagle3_states import States, StatesReader, target_states
+
+    ws = save_tiny_world(tmp_path / "ws", target_layers=4, small_seed=7, n_train=2, n_heldout=2)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"say {w} twice"}) + "\n" for w in "a b c d e f g".split()))
+    run_data(DataConfig(target=str(ws / "target"), prompts=str(prompts), output_dir=str(tmp_path / "rec"),
+                        max_new_tokens=6, batch_size=4, shard_size=3, dtype="float32", device="cpu",
+                        record_features=True, eagle_aux_layer_ids=LAYERS))
+    manifest = read_manifest(tmp_path / "rec")
+    assert manifest["features"]["dtype"] == "bfloat16" and len(manifest["shards"]) == 3
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "rec" / features_file(manifest["shards"][0]["file"])), "pt") as f:
+        assert f.get_tensor("0").dtype == RECORDED_STATES_DTYPE
+
+    target = load_model(str(ws / "target"), dtype="float32", device="cpu")
+    ds = load_split(tmp_path / "rec")
+    width = (1 + len(LAYERS)) * target.config.hidden_size
+    rows = ds[[6, 1, 4]]  # rows of three shards, out of order
+    assert rows["states_row"] == [0, 1, 1]
+    batch = collate(rows, pad_id=0, max_length=64)
+    states = States("auto", target, contextlib.nullcontext, StatesReader([tmp_path / "rec"], LAYERS, width), LAYERS)
+    read = states.read(rows, batch["input_ids"].shape[1])
+    assert read[1] == [True, True, True]
+    expected = target_states(target, batch["input_ids"], batch["attention_mask"], LAYERS).float()
+    for b, length in enumerate(batch["attention_mask"].sum(1).tolist()):
+        # the recording stops before each row's last token (never fed to the target): zeros there
+        torch.testing.assert_close(read[0][b, : length - 1], expected[b, : length - 1], atol=3e-2, rtol=2e-2)
+        assert read[0][b, length - 1:].abs().sum() == 0
+    # A row without a recording (here: an unknown file) is computed by the target, the others kept as read.
+    rows["states_file"][1] = ""
+    read = states.read(rows, batch["input_ids"].shape[1])
+    assert read[1] == [True, False, True]
+    full = states.complete(batch, read)
+    torch.testing.assert_close(full[1], expected[1])
+    assert torch.equal(full[0], read[0][0])
+    online = States("online", target, contextlib.nullcontext, StatesReader([], LAYERS, width), LAYERS)
+    torch.testing.assert_close(online.complete(batch, online.read(rows, batch["input_ids"].shape[1])), expected)
+    with pytest.raises(ValueError, match="states must be one of"):
+        States("cached", target, contextlib.nullcontext, None, LAYERS)
 
 
 def test_eagle3_config_errors():

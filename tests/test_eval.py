@@ -226,13 +226,25 @@ def test_every_recipe_eval_section_builds_a_config(recipe):
     assert cfg.draft and cfg.num_draft_tokens and cfg.out_dir().name == "eval"
 
 
+def _check_choice(ck: dict) -> None:
+    """choose_k's choice: the fastest predicted among the candidates that fail no gate (the fastest overall when
+    none passes), with the fastest overall and each candidate's failed gates beside it."""
+    label = proposals.label
+    speed = {p: (ck["predicted_speedup"][label(p)], -proposals.verified_nodes(p)) for p in ck["candidates"]}
+    passing = [p for p in ck["candidates"] if not ck["failed_gates"][label(p)]]
+    assert ck["fastest"] == max(ck["candidates"], key=speed.get)
+    assert ck["chosen"] == (max(passing, key=speed.get) if passing else ck["fastest"])
+    assert set(ck["failed_gates"]) == {label(p) for p in ck["candidates"]}
+    assert all(set(f) <= {"acceptance_rate", "speedup", "memory"} for f in ck["failed_gates"].values())
+
+
 def test_choose_k_predicts_tau_exactly_and_measures_only_the_chosen_k(tiny_checkpoints, tmp_path):
     assert _eval(tiny_checkpoints, tmp_path, "choose_k=1,2,3", "choose_k_prompts=4", "num_prompts=4",
                  "--temperature", "0", "warmup=0") == 0
     report = json.loads((tmp_path / "report.json").read_text())
     ck = report["choose_k"]
     assert ck["candidates"] == [1, 2, 3] and ck["prompts"] == 4
-    assert ck["chosen"] == max(ck["candidates"], key=lambda k: (ck["predicted_speedup"][f"k={k}"], -k))
+    _check_choice(ck)
     assert report["config"]["num_draft_tokens"] == ck["chosen"] and "sweep" not in report
     # Greedy on the same prompts: the teacher-forced replay is the decoder's own tokens per round.
     assert ck["tau"][f"k={ck['chosen']}"] == pytest.approx(report["speculative"]["mean_accepted_tokens"])
@@ -270,7 +282,7 @@ def test_choose_k_weighs_static_trees_by_their_replayed_tau(tiny_checkpoints, tm
     ck = report["choose_k"]
     assert ck["candidates"] == [1, 2, "3x1x1", "2x2", "2"] and ck["best_chain"] in (1, 2)
     label = proposals.label
-    assert ck["chosen"] == max(ck["candidates"], key=lambda p: ck["predicted_speedup"][label(p)])
+    _check_choice(ck)
     # the target as its own draft: every first choice is right, so a tree of depth 3 accepts as a chain of 3, and
     # the one-level tree "2" (keyed apart from the chain k = 2, whose shape text it shares) as a chain of 1
     tau = ck["tau"]
@@ -283,6 +295,55 @@ def test_choose_k_weighs_static_trees_by_their_replayed_tau(tiny_checkpoints, tm
     assert len(ck["top_n_agreement"]) == 3 and ck["top_n_agreement"][0]["1"] == 1.0
 
 
+def test_choose_k_takes_the_fastest_proposal_that_passes_the_thresholds(tiny_checkpoints, tmp_path, monkeypatch):
+    """Forced figures: k = 3 is predicted fastest but accepts under min_acceptance_rate; k = 2, slower, passes and
+    is measured; the report names both and what each candidate fails."""
+    from specdec.eval import runner
+
+    tau = {1: 1.9, 2: 2.2, 3: 2.4}  # acceptance rates (tau - 1) / k: 0.9, 0.6, 0.467
+
+    def costs(target, draft, ids, ks, repeats, clock=None):  # c = 0, v = 1: the predicted speedup is tau
+        return {"target_step_ms": 1.0, "draft_step_ms": 0.0, "c": 0.0, "verify_ms": {str(k): 1.0 for k in ks},
+                "v": {str(k): 1.0 for k in ks}}
+
+    monkeypatch.setattr(runner, "measure_costs", costs)
+    monkeypatch.setattr(proposals, "replayed_tau", lambda ranks, p: tau[p])
+    assert _eval(tiny_checkpoints, tmp_path, "choose_k=1,2,3", "choose_k_prompts=2", "num_prompts=2", "warmup=0",
+                 "min_acceptance_rate=0.5", "min_speedup=1.1", "max_memory_overhead=1000") == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    ck = report["choose_k"]
+    assert (ck["chosen"], ck["fastest"]) == (2, 3)
+    assert ck["failed_gates"] == {"k=1": [], "k=2": [], "k=3": ["acceptance_rate"]}
+    assert ck["acceptance_rate"]["k=3"] == pytest.approx(1.4 / 3) and ck["gates_checked"] == [
+        "acceptance_rate", "speedup", "memory"]
+    assert report["config"]["num_draft_tokens"] == 2  # the passing proposal was the one measured
+    md = (tmp_path / "report.md").read_text()
+    assert "| proposal | tau | acceptance | v(n+1) | predicted speedup | memory / limit (MB) | fails |" in md
+    assert "The fastest predicted, k = 3, fails acceptance_rate: k = 2 is the fastest that passes" in md
+    assert "| k = 3 | 2.400 | 0.467 |" in md and md.count("| none |") == 2
+    # thresholds no candidate meets: the fastest overall is measured, and the report says so
+    assert _eval(tiny_checkpoints, tmp_path / "none", "choose_k=1,2,3", "choose_k_prompts=2", "num_prompts=2",
+                 "warmup=0", "min_acceptance_rate=0.95") == 0
+    report = json.loads((tmp_path / "none" / "report.json").read_text())
+    ck = report["choose_k"]
+    assert ck["chosen"] == ck["fastest"] == 3 and all(ck["failed_gates"].values())
+    assert report["decision"]["verdict"] == "keep-target-only"
+    assert "No proposal passes every threshold" in (tmp_path / "none" / "report.md").read_text()
+
+
+def test_the_sweep_reports_its_fastest_configuration_and_what_each_fails(tiny_checkpoints, tmp_path):
+    assert _eval(tiny_checkpoints, tmp_path, "--num-draft-tokens", "1,2", "num_prompts=2", "warmup=0",
+                 "min_speedup=100") == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert all("speedup" in r["failed_gates"] for r in report["sweep"])
+    fastest = report["recommended"]["fastest"]
+    assert fastest["verdict"] == "keep-target-only" and "speedup" in fastest["failed_gates"]
+    # no configuration passes: the fastest is the one reported
+    assert fastest["proposal"] == report["recommended"]["proposal"]
+    assert report["decision"]["failed_gates"] == fastest["failed_gates"]
+    assert "| verdict (failing) |" in (tmp_path / "report.md").read_text()
+
+
 @pytest.mark.parametrize("args, message", [
     (["tree=1x1"], "list it in num_draft_tokens"),
     (["tree=3x1", "--batch-size", "2"], "add batch size 1"),
@@ -293,3 +354,12 @@ def test_choose_k_weighs_static_trees_by_their_replayed_tau(tiny_checkpoints, tm
 def test_bad_tree_settings_say_what_to_do(tiny_checkpoints, tmp_path, capsys, args, message):
     assert _eval(tiny_checkpoints, tmp_path, *args) != 0
     assert message in capsys.readouterr().err
+
+
+def test_the_demo_summary_names_the_fastest_beside_the_choice():
+    from specdec.demo import _choice_lines
+
+    ck = {"chosen": 1, "fastest": "2x1", "failed_gates": {"k=1": [], "tree=2x1": ["acceptance_rate"]}}
+    assert _choice_lines({"choose_k": ck}) == [
+        "chosen            k=1, the fastest predicted to pass every threshold (fastest: tree=2x1, fails acceptance_rate)"]
+    assert _choice_lines({"choose_k": {**ck, "fastest": 1}}) == [] and _choice_lines({}) == []

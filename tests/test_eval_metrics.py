@@ -90,14 +90,67 @@ def test_cdf():
         (0.6, 1.2, None, 55.0, "keep-target-only", ["equivalence"]),
         (0.6, 1.2, True, 61.0, "keep-target-only", ["memory"]),
         (0.5, 1.1, True, 60.0, "enable", []),  # thresholds are inclusive
+        (0.4, 1.0, True, 61.0, "keep-target-only", ["acceptance_rate", "speedup", "memory"]),
     ],
 )
 def test_decision_needs_every_check(acc, speedup, eq, overhead, verdict, failing):
-    out = decision.decide(acc, speedup, eq, overhead, draft_weights_mb=50.0)
+    # the draft may add 20% (the default) of target-only's 300 MB: 60 MB
+    out = decision.decide(acc, speedup, eq, overhead, target_only_mb=300.0)
     assert out["verdict"] == verdict
-    assert sorted(k for k, ok in out["checks"].items() if not ok) == failing
+    assert sorted(k for k, ok in out["checks"].items() if not ok) == sorted(failing)
+    assert out["failed_gates"] == failing  # in the checks' order
     assert len(out["reasons"]) == 4
     assert sum("FAILS" in r for r in out["reasons"]) == len(failing)
+    assert "of target-only 300.0 MB" in out["reasons"][3]
+
+
+def test_memory_limit_is_a_share_of_target_only_memory():
+    assert decision.Thresholds(max_memory_overhead=0.25).memory_limit_mb(400.0) == 100.0
+    assert decision.threshold_checks(0.5, 1.1, 100.0, 400.0, decision.Thresholds(max_memory_overhead=0.25)) == {
+        "acceptance_rate": True, "speedup": True, "memory": True}
+    with pytest.raises(ValueError, match="fraction of target-only memory"):
+        decision.Thresholds(max_memory_overhead=-0.1)
+
+
+def _failed(acceptance: dict, predicted: dict, memory_mb: dict, thresholds=None) -> dict:
+    """Each candidate's failed gates, target-only holding 1000 MB."""
+    thresholds = thresholds or decision.Thresholds()
+    return {p: decision.failed_gates(decision.threshold_checks(acceptance[p], predicted[p], memory_mb[p], 1000.0,
+                                                               thresholds)) for p in acceptance}
+
+
+def test_the_choice_is_the_fastest_candidate_that_passes_every_threshold():
+    """A real run's figures: tree 2x1 predicted fastest at acceptance 0.381, k = 1 passing at 0.52."""
+    acceptance = {1: 0.52, 2: 0.45, "2x1": 0.381, 3: 0.55}
+    predicted = {1: 1.255, 2: 1.27, "2x1": 1.31, 3: 1.05}
+    failed = _failed(acceptance, predicted, dict.fromkeys(acceptance, 50.0))
+    assert failed == {1: [], 2: ["acceptance_rate"], "2x1": ["acceptance_rate"], 3: ["speedup"]}
+    chosen, fastest = decision.prefer_passing(list(acceptance), lambda p: -predicted[p], failed)
+    assert (chosen, fastest) == (1, "2x1")
+    # the memory gate weighs in alike: k = 1 over its allowance (20% of 1000 MB) leaves no candidate passing,
+    # and the fastest overall is kept
+    failed = _failed(acceptance, predicted, {1: 250.0, 2: 50.0, "2x1": 50.0, 3: 50.0})
+    assert failed[1] == ["memory"]
+    assert decision.prefer_passing(list(acceptance), lambda p: -predicted[p], failed) == ("2x1", "2x1")
+    # thresholds that every candidate meets: the fastest is chosen
+    open_gates = decision.Thresholds(0.0, 0.01, 1.0)
+    failed = _failed(acceptance, predicted, dict.fromkeys(acceptance, 50.0), open_gates)
+    assert decision.prefer_passing(list(acceptance), lambda p: -predicted[p], failed) == ("2x1", "2x1")
+
+
+def test_the_sweep_recommends_the_fastest_row_whose_verdict_is_enable():
+    from specdec.eval.runner import _recommend
+
+    def row(k, batch, speedup, failed):
+        return {"num_draft_tokens": k, "batch_size": batch, "speedup": speedup, "decision": {"failed_gates": failed}}
+
+    rows = [row(1, 1, 1.2, []), row(3, 1, 1.5, ["memory"]), row(2, 1, 1.3, ["acceptance_rate"]), row(2, 2, 1.15, [])]
+    best, fastest = _recommend(rows, "speedup")
+    assert (best["num_draft_tokens"], fastest["num_draft_tokens"]) == (1, 3)
+    for r in rows:
+        r["decision"]["failed_gates"] = ["speedup"]
+    best, fastest = _recommend(rows, "speedup")
+    assert best is fastest is rows[1]
 
 
 def test_decision_fallback_and_threshold_validation():

@@ -162,6 +162,11 @@ def test_greedy_agreement_and_topn_alpha():
     top3 = logp.topk(3, dim=-1)
     assert torch.all(losses.acceptance_alpha_topn(s, top3.indices, top3.values)
                      <= losses.acceptance_alpha(s, t) + 1e-6)
+    # A reduced draft (ids 1, 4, 6, 7 of 9): q is 0 at the ids it lacks, read without a target-sized tensor.
+    kept = torch.tensor([1, 4, 6, 7])
+    reduced = _logits(5, (6, 4))
+    assert torch.allclose(losses.acceptance_alpha_topn(reduced, top.indices, top.values, draft_to_target=kept),
+                          losses.acceptance_alpha(reduced, t, draft_to_target=kept), atol=1e-6)
 
 
 # ---- simulate --------------------------------------------------------------------------------------------

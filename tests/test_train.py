@@ -344,3 +344,46 @@ def test_kill_and_resume_continues_the_data_order(workspace, tmp_path):
     got = [(r["step"], r["ids"]) for r in _consumed(out)]
     assert [step for step, _ in got] == list(range(1, end + 1))
     assert got == reference  # every step once, each with the same samples as the uninterrupted run
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+def _logged_losses(text: str) -> list[float]:
+    return [float(line.split(" loss ")[1].split()[0]) for line in text.splitlines() if " loss " in line and "step " in line]
+
+
+def test_eagle3_in_two_processes_trains_exactly_as_one(workspace, tmp_path, caplog):
+    """draft=eagle3 under `accelerate launch` with two gloo processes equals one process at the same global batch:
+    per-step losses, final weights and the held-out figures (each process scores half, merged)."""
+    train = dict(draft="eagle3", eagle_aux_layer_ids=[1], draft_vocab_size=40, teacher="online", ttt_steps=2,
+                 max_steps=3, eval_every=0, save_every=0, learning_rate=1e-2, max_grad_norm=0.5)
+    recipe = _recipe(workspace, tmp_path / "two.yaml", tmp_path / "two", **train)
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                           "-m", "specdec.train", "--config", str(recipe)],
+                          cwd=ROOT, env=dict(_env(), CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    one = _cfg(workspace, tmp_path / "one", per_device_batch_size=4, warmup_steps=1, eval_samples=4,
+               eval_batch_size=2, **train)
+    with caplog.at_level("INFO", logger="specdec.train.distill"):
+        distill.run(one)
+    two_losses, one_losses = _logged_losses(proc.stdout + proc.stderr), _logged_losses(caplog.text)
+    assert len(two_losses) == len(one_losses) == 3
+    assert two_losses == pytest.approx(one_losses, abs=2e-4)
+    two, single = _weights(tmp_path / "two" / "final"), _weights(tmp_path / "one" / "final")
+    assert two.keys() == single.keys()
+    for name in two:
+        torch.testing.assert_close(two[name], single[name], atol=2e-5, rtol=1e-4, msg=name)
+    evals = [[json.loads(line) for line in (tmp_path / run / "eval.jsonl").read_text().splitlines()]
+             for run in ("two", "one")]
+    for got, want in zip(*evals):
+        assert got["positions"] == want["positions"] > 0 and got["tau"] == pytest.approx(want["tau"])
+        assert got["agreement"] == pytest.approx(want["agreement"])
+    # The reduced vocabulary was counted once and kept beside the run, for every process and every resume.
+    assert json.loads((tmp_path / "two" / "draft_vocab.json").read_text())["ids"] == \
+        json.loads((tmp_path / "one" / "draft_vocab.json").read_text())["ids"]

@@ -12,14 +12,25 @@ from pathlib import Path
 from typing import Any
 
 import datasets
+import pyarrow.compute as pc
 import torch
 
-from specdec.train.data import load_generated
+from specdec.train.data import load_generated, read_manifest
+from specdec.train.eagle3_states import with_states_columns
 
 
 def load_split(path: str | Path):
-    """A generated-data folder (manifest.json + shards/*.parquet) as a datasets.Dataset."""
-    return load_generated(path)
+    """A generated-data folder (manifest.json + shards/*.parquet) as a memory-mapped datasets.Dataset, each row
+    with where its recorded target states are (`states_file`, `states_row`; none where the folder has none)."""
+    return with_states_columns(load_generated(path), path, read_manifest(path))
+
+
+def row_lengths(dataset, max_length: int) -> list[int]:
+    """Each row's token count, capped at max_length, read column-wise (no row is materialised in Python)."""
+    lengths: list[int] = []
+    for part in dataset.select_columns(["input_ids"]).with_format("arrow").iter(batch_size=65_536):
+        lengths += pc.min_element_wise(pc.list_value_length(part["input_ids"]), max_length).to_pylist()
+    return lengths
 
 
 def _in_heldout(prompt_id: str, fraction: float) -> bool:
@@ -97,6 +108,48 @@ class Schedule:
         return self._batches[m % self.per_epoch]
 
 
+class MicroBatches(torch.utils.data.Dataset):
+    """Micro-batch m of one process: (its sample ids, its collated batch, what the draft's kind reads ahead).
+
+    Indexed by m, read by a DataLoader whose sampler counts up from the run's first micro-batch, so its workers
+    collate (and read recorded target states) ahead of the step while the order stays the schedule's."""
+
+    def __init__(self, dataset, schedule: Schedule, rank: int, per_device: int, pad_id: int, max_length: int,
+                 read_ahead=None, packed: bool = False):
+        self.dataset, self.schedule, self.rank, self.per_device = dataset, schedule, rank, per_device
+        self.pad_id, self.max_length, self.read_ahead, self.packed = pad_id, max_length, read_ahead, packed
+
+    def __getitem__(self, m: int):
+        indices = self.schedule(m)[self.rank * self.per_device:(self.rank + 1) * self.per_device]
+        rows = self.dataset[indices]
+        batch = collate(rows, self.pad_id, self.max_length)
+        if self.packed:
+            batch = pack(batch, self.max_length)
+        ahead = self.read_ahead(rows, batch) if self.read_ahead is not None else None
+        return [sample_id(rows, i) for i in range(len(indices))], batch, ahead
+
+    def __len__(self) -> int:
+        return 1 << 62  # endless: the trainer stops taking
+
+
+class CountFrom(torch.utils.data.Sampler):
+    """m, m + 1, m + 2, ...: the micro-batches from the first one a (resumed) run trains."""
+
+    def __init__(self, start: int):
+        self.start = start
+
+    def __iter__(self):
+        m = self.start
+        while True:
+            yield m
+            m += 1
+
+
+def as_is(item):
+    """The loader's collate_fn: a MicroBatches item is already collated."""
+    return item
+
+
 def collate(rows: dict, pad_id: int, max_length: int) -> dict[str, Any]:
     """Right-padded tensors; `loss_mask[b, t]` marks logits positions t that predict a completion token."""
     seqs = [list(ids)[:max_length] for ids in rows["input_ids"]]
@@ -127,3 +180,64 @@ def collate(rows: dict, pad_id: int, max_length: int) -> dict[str, Any]:
     if has_topn:
         out["top_ids"], out["top_logprobs"] = top_ids, top_logprobs
     return out
+
+
+def pack_order(lengths: list[int], max_length: int) -> list[list[int]]:
+    """Rows of sample indices whose lengths sum to at most max_length: first fit, longest first (the order
+    within a row follows the samples' order, so packing a batch is deterministic)."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        fit = next((r for r, left in enumerate(room) if left >= lengths[i]), None)
+        if fit is None:
+            rows.append([i])
+            room.append(max_length - lengths[i])
+        else:
+            rows[fit].append(i)
+            room[fit] -= lengths[i]
+    return [sorted(row) for row in rows]
+
+
+def pack(batch: dict[str, Any], max_length: int) -> dict[str, Any]:
+    """A right-padded batch (`collate`) with its samples packed into rows of at most max_length tokens.
+
+    Adds `document_ids` [R, L] (a sample's index in `batch` at its positions, -1 on padding) and keeps the
+    unpacked batch as `unpacked` with `segments` [(row, offset, sample, length)], to place per-sample tensors
+    (the target's states) with `place`. Labels and masks move with their samples: a sample's last position, whose
+    label would be the next sample's first token, is never scored (collate leaves it out of loss_mask)."""
+    lengths = batch["attention_mask"].sum(1).tolist()
+    order = pack_order(lengths, max_length)
+    width = max(sum(lengths[i] for i in row) for row in order)
+    per_position = [k for k, v in batch.items() if torch.is_tensor(v) and v.dim() >= 2 and k != "attention_mask"]
+    out: dict[str, Any] = {"attention_mask": torch.zeros(len(order), width, dtype=torch.long),
+                           "document_ids": torch.full((len(order), width), -1, dtype=torch.long)}
+    for key in per_position:
+        out[key] = batch[key].new_zeros((len(order), width, *batch[key].shape[2:]))
+    segments = []
+    for r, row in enumerate(order):
+        offset = 0
+        for b in row:
+            n = lengths[b]
+            for key in per_position:
+                out[key][r, offset:offset + n] = batch[key][b, :n]
+            out["attention_mask"][r, offset:offset + n] = 1
+            out["document_ids"][r, offset:offset + n] = b
+            segments.append((r, offset, b, n))
+            offset += n
+    out.update(n_tokens=batch["n_tokens"], unpacked=batch, segments=segments)
+    return out
+
+
+def place(per_sample: torch.Tensor, packed: dict[str, Any]) -> torch.Tensor:
+    """Per-sample values [B, S, ...] of the unpacked batch at their packed positions.  -> [R, L, ...]"""
+    rows, width = packed["input_ids"].shape
+    out = per_sample.new_zeros((rows, width, *per_sample.shape[2:]))
+    for r, offset, b, n in packed["segments"]:
+        out[r, offset:offset + n] = per_sample[b, :n]
+    return out
+
+
+def to_device(batch: dict[str, Any], device) -> dict[str, Any]:
+    """The batch's tensors (and a packed batch's unpacked one) on `device`."""
+    return {k: v.to(device) if torch.is_tensor(v) else to_device(v, device) if isinstance(v, dict) else v
+            for k, v in batch.items()}

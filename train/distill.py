@@ -31,17 +31,30 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import gather_object, set_seed
 from tqdm.auto import tqdm
 
 from specdec.config import config_from_cli, help_text, to_dict
 from specdec.models import EMBEDDED_TARGET, cpu_has_native_bf16, load_model, load_tokenizer
 from specdec.tokens import tokenizer_pad_id
-from specdec.train import losses
-from specdec.train.batches import Schedule, collate, data_folders, load_data, sample_id
+from specdec.train import draft as draft_lib
+from specdec.train import losses, plan
+from specdec.train.batches import (
+    CountFrom,
+    MicroBatches,
+    Schedule,
+    as_is,
+    collate,
+    data_folders,
+    load_data,
+    row_lengths,
+    to_device,
+)
 from specdec.train.budget import CosineToEnd, TimeBudget, check_minutes
 from specdec.train.checkpoints import ConsumedLog, export_draft, latest_checkpoint, save_checkpoint
+from specdec.train.data import read_manifest
 from specdec.train.draft import DEFAULT_LORA_MODULES, DERIVED, EAGLE3, SCRATCH
+from specdec.train.eagle3_states import SOURCES as STATES_SOURCES
 from specdec.train.eagle3_train import Eagle3Training
 from specdec.train.plain_train import PlainTraining
 
@@ -83,6 +96,10 @@ class TrainConfig:
     eagle_aux_layer_ids: list[int] = field(default_factory=list)
     ttt_steps: int = 3  # training-time test: proposals unrolled per position (EAGLE-3's scheme; 1 = the first only)
     ttt_decay: float = 0.8  # step j's loss weighs decay^(j-1) (EAGLE-3, SpecForge), normalised to sum to one
+    # draft=eagle3: where the target's states come from, per batch (train/eagle3_states.py): recorded (the data
+    # stage's record_features=true), online (the target runs on each batch; nothing is stored), or auto
+    # (recorded where a row has them, else online)
+    states: str = "auto"
     # teacher signal and loss
     teacher: str = "online"  # online | offline | on_policy
     loss: str = "fkl"  # fkl | rkl | jsd | tvd | ce
@@ -110,6 +127,11 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     mixed_precision: str = "auto"  # auto | no | bf16 | fp16
     bucket_by_length: bool = True
+    # draft=eagle3: each micro-batch's samples packed into rows of at most max_length tokens, every attention,
+    # position and loss kept within its sample (no padding computed; the same loss as unpacked)
+    pack: bool = False
+    # processes that collate micro-batches (and read recorded states) ahead of the step; 0 = in the training process
+    data_workers: int = 1
     # logging, evaluation, checkpoints
     log_every: int = 10
     eval_every: int = 100  # 0 = only at the start and the end
@@ -122,6 +144,9 @@ class TrainConfig:
     resume_from: str = ""  # "" | latest | a checkpoint folder
     record_consumed: bool = False  # write each step's sample ids to output_dir/consumed/rank-R.jsonl
     wandb_project: str = "specdec"
+    # the memory plan (train/plan.py), which every run checks before it starts
+    plan_device_gb: float = 0.0  # memory per device (GiB) to plan and check against; 0 = this device's
+    plan_devices: int = 0  # processes to plan for (`specdec train --plan`); 0 = this launch's
 
     def __post_init__(self) -> None:
         if self.teacher not in TEACHERS:
@@ -143,6 +168,8 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         check_minutes(self.max_minutes)
+        if self.data_workers < 0:
+            raise ValueError(f"data_workers must be >= 0, got {self.data_workers}")
         if self.warmup_steps < 0 or self.eval_every < 0 or self.save_every < 0 or self.draft_vocab_size < 0:
             raise ValueError("warmup_steps, eval_every, save_every and draft_vocab_size must be >= 0")
         if not self.eval_k or min(self.eval_k) < 1 or self.best_k not in self.eval_k:
@@ -156,9 +183,14 @@ class TrainConfig:
                                  "show it its own proposals); on_policy is for token-only drafts")
             if self.lora:
                 raise ValueError("draft=eagle3 is a new small module: train it fully (lora=false)")
+            if self.states not in STATES_SOURCES:
+                raise ValueError(f"states must be one of {', '.join(STATES_SOURCES)}, got {self.states!r}")
             if self.ttt_steps < 1 or not 0.0 < self.ttt_decay <= 1.0:
                 raise ValueError(f"ttt_steps must be >= 1 and ttt_decay in (0, 1], got {self.ttt_steps} and "
                                  f"{self.ttt_decay}")
+        elif self.pack:
+            raise ValueError("pack=true is for draft=eagle3 (a plain draft is a transformers model whose attention "
+                             "would cross the packed samples' boundaries)")
         elif self.eagle_aux_layer_ids:
             raise ValueError("eagle_aux_layer_ids is for draft=eagle3 (a token-only draft reads no hidden states)")
         if self.lora and self.draft in (DERIVED, SCRATCH):
@@ -211,6 +243,11 @@ class Distiller:
         if cfg.lora and acc.distributed_type.value in ("FSDP", "DEEPSPEED"):
             raise ValueError("lora=true is supported with single-process or DDP launches (recipes/accelerate/"
                              "single_gpu.yaml, multi_gpu.yaml); use a full fine-tune with FSDP / DeepSpeed")
+        if cfg.draft == EAGLE3 and acc.distributed_type.value in ("FSDP", "DEEPSPEED"):
+            # The draft is one decoder layer plus a head: it fits whole on every device, and its loss and held-out
+            # replay call the module outside its wrapped forward, which sharded parameters do not allow.
+            raise ValueError("draft=eagle3 trains with DDP (accelerate launch --config_file recipes/accelerate/"
+                             "multi_gpu.yaml), not FSDP or DeepSpeed: the draft is small enough to be replicated")
         set_seed(cfg.seed)
         self.out = Path(cfg.output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
@@ -226,8 +263,26 @@ class Distiller:
         tok = self.tokenizer
         self.pad_id = tokenizer_pad_id(tok)
         self.heldout = [heldout_ds[i] for i in range(min(cfg.eval_samples, len(heldout_ds)))]
-        lengths = [min(len(x), cfg.max_length) for x in self.train_ds["input_ids"]]
+        lengths = row_lengths(self.train_ds, cfg.max_length)
         self.schedule = Schedule(lengths, cfg.per_device_batch_size * self.world, cfg.seed, cfg.bucket_by_length)
+
+    def draft_vocabulary(self, vocab_size: int) -> torch.Tensor:
+        """The reduced draft head's target ids: counted once, by the main process, and kept in
+        output_dir/draft_vocab.json for every process and every resume on the same data."""
+        cfg, path = self.cfg, self.out / "draft_vocab.json"
+        train_paths, heldout_path = data_folders(cfg)
+        key = {"size": cfg.draft_vocab_size, "vocab": vocab_size, "heldout": str(heldout_path or cfg.heldout_fraction),
+               "data": [[str(p), read_manifest(p).get("fingerprint"), len(read_manifest(p)["shards"])]
+                        for p in train_paths]}
+        if self.main and (not path.is_file() or json.loads(path.read_text()).get("key") != key):
+            tok = self.tokenizer
+            keep = draft_lib.frequent_ids(self.train_ds, cfg.draft_vocab_size, vocab_size,
+                                          [tok.eos_token_id, tok.bos_token_id, self.pad_id])
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text(json.dumps({"key": key, "ids": keep.tolist()}))
+            os.replace(tmp, path)
+        self.accelerator.wait_for_everyone()
+        return torch.tensor(json.loads(path.read_text())["ids"], dtype=torch.long)
 
     def setup_models(self) -> None:
         """The target (where the draft is built from it or the loop reads it) and the draft's kind."""
@@ -238,11 +293,10 @@ class Distiller:
             target.requires_grad_(False)
         if cfg.draft == EAGLE3:
             train_paths, heldout_path = data_folders(cfg)
-            self.kind = Eagle3Training(cfg, target, self.tokenizer, self.train_ds, self.device,
-                                       self.accelerator.autocast, train_paths + ([heldout_path] if heldout_path else []),
-                                       sample_id)
+            self.kind = Eagle3Training(cfg, target, self.tokenizer, self.draft_vocabulary, self.device,
+                                       self.accelerator.autocast, train_paths + ([heldout_path] if heldout_path else []))
         else:
-            self.kind = PlainTraining(cfg, target, self.tokenizer, self.train_ds, self.device)
+            self.kind = PlainTraining(cfg, target, self.tokenizer, self.draft_vocabulary, self.device)
         self.model = self.kind.model
         self.model.train()
 
@@ -275,20 +329,40 @@ class Distiller:
         end = self.schedule_end
         end.end = min(end.end, cfg.max_steps) if cfg.max_minutes else cfg.max_steps
 
-    def train_step(self, step: int) -> tuple[torch.Tensor, int, list[str]]:
+    def micro_batches(self):
+        """This process's micro-batches from the run's first one on, collated (and read ahead) by `data_workers`
+        loader processes while the steps run."""
+        cfg = self.cfg
+        data = MicroBatches(self.train_ds, self.schedule, self.rank, cfg.per_device_batch_size, self.pad_id,
+                            cfg.max_length, self.kind.prefetch, cfg.pack)
+        workers = cfg.data_workers
+        loader = torch.utils.data.DataLoader(data, batch_size=None, sampler=CountFrom(self.start_step * cfg.grad_accum_steps),
+                                             collate_fn=as_is, num_workers=workers,
+                                             prefetch_factor=2 if workers else None)
+        return iter(loader)
+
+    def denominators(self, batches: list[dict]) -> torch.Tensor | None:
+        """What the kind divides its summed loss by so that the step's gradient is the mean over every scored
+        position of every process and micro-batch (one sync a step); None: each micro-batch's own mean."""
+        counts = [self.kind.counts(batch) for batch in batches]
+        if counts[0] is None:
+            return None
+        total = self.accelerator.reduce(torch.stack(counts).sum(0), reduction="sum")
+        # accelerate divides each micro-batch's loss by the accumulation steps and DDP averages over processes
+        return total.clamp(min=1).float() / (self.world * self.cfg.grad_accum_steps)
+
+    def train_step(self, step: int, micro_batches) -> tuple[torch.Tensor, int, list[str]]:
         """One optimizer step: its micro-batches' losses backward, clipped, stepped. -> (loss, tokens, sample ids)"""
         cfg, acc = self.cfg, self.accelerator
         loss_sum, tokens, step_ids = torch.zeros((), device=self.device), 0, []
-        for micro in range(cfg.grad_accum_steps):
+        taken = [next(micro_batches) for _ in range(cfg.grad_accum_steps)]
+        taken = [(ids, to_device(batch, self.device), ahead) for ids, batch, ahead in taken]
+        denominators = self.denominators([batch for _, batch, _ in taken])
+        for micro, (micro_ids, batch, ahead) in enumerate(taken):
             m = (step - 1) * cfg.grad_accum_steps + micro
-            indices = self.schedule(m)[self.rank * cfg.per_device_batch_size:(self.rank + 1) * cfg.per_device_batch_size]
-            rows = self.train_ds[indices]
-            micro_ids = [sample_id(rows, i) for i in range(len(indices))]
             step_ids += micro_ids
-            batch = {k: v.to(self.device) if torch.is_tensor(v) else v
-                     for k, v in collate(rows, self.pad_id, cfg.max_length).items()}
             with acc.accumulate(self.model):
-                loss = self.kind.loss(self.model, batch, m, self.rank, micro_ids)
+                loss = self.kind.loss(self.model, batch, m, self.rank, ahead, denominators)
                 acc.backward(loss)
                 if acc.sync_gradients and cfg.max_grad_norm > 0:
                     acc.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
@@ -300,21 +374,23 @@ class Distiller:
         return loss_sum, tokens, step_ids
 
     def heldout_chunks(self):
-        """The held-out rows as (sample ids, collated batch on the device), eval_batch_size at a time."""
+        """This process's share of the held-out rows (every world-th chunk) as (rows, collated batch on the
+        device), eval_batch_size at a time."""
         cfg = self.cfg
-        for s in range(0, len(self.heldout), cfg.eval_batch_size):
+        starts = range(self.rank * cfg.eval_batch_size, len(self.heldout), cfg.eval_batch_size * self.world)
+        for s in starts:
             chunk = self.heldout[s:s + cfg.eval_batch_size]
             rows = {k: [r.get(k) for r in chunk] for k in chunk[0]}
             batch = {k: v.to(self.device) if torch.is_tensor(v) else v
                      for k, v in collate(rows, self.pad_id, cfg.max_length).items()}
-            yield [sample_id(rows, i) for i in range(len(chunk))], batch
+            yield rows, batch
 
     def evaluate(self, step: int) -> None:
         """Held-out figures at `step`, logged and appended to eval.jsonl; a new best tau(best_k) goes to best/."""
         if not self.heldout:
             return
         cfg, started = self.cfg, time.perf_counter()
-        metrics = self.kind.evaluate(self.model, self.heldout_chunks())
+        metrics = self.kind.evaluate(self.model, self.heldout_chunks(), gather_object)
         tau = metrics["tau"][cfg.best_k]
         if self.main:
             # agreement: the first proposal's, at every completion position; tau(1) - 1: the acceptance of k = 1
@@ -367,6 +443,8 @@ class Distiller:
     def run(self) -> Path:
         """Train per the config; returns output_dir/final."""
         cfg = self.cfg
+        # Before anything loads: a run that cannot fit stops here, with the fix (train/plan.py).
+        plan.check_run(cfg, self.device, self.accelerator.mixed_precision, self.world, self.main)
         self.setup_data()
         self.setup_models()
         self.setup_optim()
@@ -377,12 +455,13 @@ class Distiller:
         if self.start_step == 0:
             self.evaluate(0)
         step, end = self.start_step, self.schedule_end.end
+        micro_batches = self.micro_batches()
         bar = tqdm(total=end, initial=step, disable=not self.main, desc="train", dynamic_ncols=True)
         window = {"loss": torch.zeros((), device=self.device), "tokens": 0, "steps": 0, "start": time.perf_counter()}
         self.budget.start_loop(step)
         while step < end:
             step += 1
-            loss, tokens, step_ids = self.train_step(step)
+            loss, tokens, step_ids = self.train_step(step, micro_batches)
             window["loss"] += loss
             window["tokens"] += tokens
             window["steps"] += 1
@@ -435,7 +514,11 @@ def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(help_text(TrainConfig, "specdec train --config recipes/X.yaml [key=value ...] [--key value ...]",
                         "train: options (recipe section `train:` plus the shared keys)"))
+        print(plan.help_lines())
         return 0
+    options, argv = plan.split_plan_args(argv)
     cfg = config_from_cli(TrainConfig, argv, section="train")
+    if options.plan:  # print the memory and disk plan, train nothing
+        return plan.show(cfg, options, argv)
     run(cfg)
     return 0

@@ -194,15 +194,24 @@ def acceptance_alpha(draft_logits, target_logits, mask=None, draft_to_target=Non
 def acceptance_alpha_topn(draft_logits, top_ids, top_logprobs, mask=None, draft_to_target=None) -> torch.Tensor:
     """alpha against stored top-n target log-probs (not renormalised): a lower bound.  -> [N]
 
-    The target's mass outside its stored top-n is unknown and counted as not accepted.
+    The target's mass outside its stored top-n is unknown and counted as not accepted. q is read at the top-n ids
+    only (0 where a reduced draft lacks the id): no [N, target vocabulary] tensor is made.
     """
     d = _select(draft_logits, mask)
     ids = _select(top_ids, mask).long()
     p_top = _select(top_logprobs, mask).float().exp()
-    vocab = int(draft_to_target.max()) + 1 if draft_to_target is not None else d.shape[-1]
-    vocab = max(vocab, int(ids.max()) + 1 if ids.numel() else 0)
-    q = _draft_probs_in_target_space(d, draft_to_target, vocab)
-    return torch.minimum(p_top, q.gather(-1, ids)).sum(dim=-1)
+    q = _log_probs(d).exp()  # [N, V_d]
+    if draft_to_target is None:
+        local = ids
+    else:
+        d2t = draft_to_target.to(ids.device)
+        inverse = torch.full((max(int(d2t.max()), int(ids.max()) if ids.numel() else 0) + 1,), -1,
+                             dtype=torch.long, device=ids.device)
+        inverse[d2t] = torch.arange(d2t.numel(), device=ids.device)
+        local = inverse[ids]
+    inside = (local >= 0) & (local < q.shape[-1])
+    q_top = torch.where(inside, q.gather(-1, local.clamp(0, q.shape[-1] - 1)), torch.zeros_like(p_top))
+    return torch.minimum(p_top, q_top).sum(dim=-1)
 
 
 def draft_argmax_in_target_ids(draft_logits: torch.Tensor, draft_to_target: torch.Tensor | None) -> torch.Tensor:

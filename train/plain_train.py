@@ -125,13 +125,13 @@ def compute_loss(cfg, student_logits, teacher, batch: dict, inv_map) -> torch.Te
 
 
 @torch.no_grad()
-def evaluate(model, target, chunks, ks, id_map) -> dict[str, Any]:
-    """alpha, greedy agreement, top-n agreement (what a tree would find) and simulated tau(k) on held-out
-    completions (teacher-forced). `chunks` yields (sample_ids, collated batch)."""
+def evaluate_part(model, target, chunks, id_map) -> dict[str, list]:
+    """This process's share of the held-out figures, per position: alpha, greedy agreement and the rank of the
+    target's token among the draft's (teacher-forced). `chunks` yields (rows, collated batch)."""
     was_training = model.training
     model.eval()
     alphas, agreements, ranks = [], [], []
-    for _sample_ids, batch in chunks:
+    for _rows, batch in chunks:
         mask = batch["loss_mask"].bool()
         student = _forward(model, batch)[mask].float()  # [N, V_draft]
         if target is not None:
@@ -148,34 +148,39 @@ def evaluate(model, target, chunks, ks, id_map) -> dict[str, Any]:
                                                   None, id_map)
                      if has_topn else torch.full(agree.shape, float("nan")))
         counts = mask.sum(-1).tolist()
-        alphas.append(alpha.cpu())
+        alphas += alpha.cpu().tolist()
         agreements += [a.tolist() for a in agree.cpu().split(counts)]
         # A plain draft's later proposals are teacher-forced too: one rank per position serves every depth.
         rank = true_token_ranks(student, target_top.to(student.device), id_map)
         ranks += [[[r] for r in row.tolist()] for row in rank.cpu().split(counts)]
     if was_training:
         model.train()
-    alpha_all = torch.cat(alphas) if alphas else torch.zeros(0)
-    taus = simulated_tau(agreements, ks)
+    return {"alphas": alphas, "agreements": agreements, "ranks": ranks}
+
+
+def merge_parts(parts: list[dict[str, list]], ks, alpha_is_lower_bound: bool) -> dict[str, Any]:
+    """alpha, greedy agreement, top-n agreement (what a tree would find) and simulated tau(k) of every process's
+    `evaluate_part`."""
+    alphas = [a for part in parts for a in part["alphas"]]
+    agreements = [row for part in parts for row in part["agreements"]]
+    ranks = [row for part in parts for row in part["ranks"]]
     flat = [x for a in agreements for x in a]
-    return {"alpha": float(alpha_all.mean()) if alpha_all.numel() else float("nan"),
-            "agreement": sum(flat) / max(len(flat), 1), "tau": taus, "positions": len(flat),
-            "top_n_agreement": top_n_agreement(ranks), "alpha_is_lower_bound": target is None}
+    return {"alpha": sum(alphas) / len(alphas) if alphas else float("nan"),
+            "agreement": sum(flat) / max(len(flat), 1), "tau": simulated_tau(agreements, ks), "positions": len(flat),
+            "top_n_agreement": top_n_agreement(ranks), "alpha_is_lower_bound": alpha_is_lower_bound}
 
 
 class PlainTraining:
     """A token-only draft for the trainer (train/distill.py): built here, its loss per micro-batch, its held-out
     figures. `model` is the draft to optimise (a peft model with lora=true)."""
 
-    def __init__(self, cfg, target, tokenizer, train_ds, device):
+    def __init__(self, cfg, target, tokenizer, vocabulary, device):
         self.cfg, self.pad_id, self.eos_id = cfg, tokenizer_pad_id(tokenizer), tokenizer.eos_token_id
         model = draft_lib.build_draft(cfg.draft, target, cfg.draft_layers, cfg.draft_config, cfg.seed, device)
         own_tokenizer = cfg.draft in (draft_lib.DERIVED, draft_lib.SCRATCH)
         check_compatible(tokenizer, tokenizer if own_tokenizer else load_tokenizer(cfg.draft), target, model)
         if cfg.draft_vocab_size:
-            keep = draft_lib.frequent_ids(train_ds, cfg.draft_vocab_size, model.get_input_embeddings().num_embeddings,
-                                          [tokenizer.eos_token_id, tokenizer.bos_token_id, self.pad_id])
-            draft_lib.reduce_vocab(model, keep.to(device))
+            draft_lib.reduce_vocab(model, vocabulary(model.get_input_embeddings().num_embeddings).to(device))
         self.id_map = draft_to_target_map(model)
         self.target = target if cfg.needs_target else None  # derived from it; the offline teacher needs no more
         target_vocab = target.get_output_embeddings().out_features if target is not None else len(tokenizer)
@@ -189,7 +194,13 @@ class PlainTraining:
             model = draft_lib.add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
         self.model = model
 
-    def loss(self, model, batch: dict, micro: int, rank: int, sample_ids: list[str]) -> torch.Tensor:
+    # The trainer's loader reads nothing ahead for a token-only draft, and its loss is each micro-batch's mean.
+    prefetch = None
+
+    def counts(self, batch: dict) -> None:
+        return None
+
+    def loss(self, model, batch: dict, micro: int, rank: int, prefetched=None, denominators=None) -> torch.Tensor:
         """The loss of micro-batch `micro` (on-policy draws are seeded by it: the same on every rank and resume)."""
         cfg = self.cfg
         if cfg.teacher == "on_policy" and random.Random(cfg.seed * 7919 + micro).random() < cfg.on_policy_fraction:
@@ -201,5 +212,7 @@ class PlainTraining:
                    if cfg.loss != "ce" else None)
         return compute_loss(cfg, student, teacher, batch, self.inv_map)
 
-    def evaluate(self, model, chunks) -> dict[str, Any]:
-        return evaluate(model, self.target, chunks, self.cfg.eval_k, self.id_map)
+    def evaluate(self, model, chunks, gather) -> dict[str, Any]:
+        """Held-out figures over every process's `chunks`, merged through `gather` (accelerate's gather_object)."""
+        part = evaluate_part(model, self.target, chunks, self.id_map)
+        return merge_parts(gather([part]), self.cfg.eval_k, alpha_is_lower_bound=self.target is None)

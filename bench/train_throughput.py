@@ -1,0 +1,115 @@
+"""EAGLE-3 trained tokens per second at two commits (and packed rows at this one), in one run.
+
+    git worktree add /tmp/before <commit>
+    python bench/train_throughput.py --before /tmp/before                 # SmolLM2-135M shapes, ttt_steps 3
+    python bench/train_throughput.py --before /tmp/before --bf16 --rounds 5
+
+Each child process builds an EAGLE-3 draft with the embedded target's shapes (random weights: the cost depends on
+the shapes), a fixed list of micro-batches of 16 samples whose lengths follow the demo recipe's data (a prompt of
+40-230 tokens, then up to 96 completion tokens; seeded), and times `--steps` optimizer steps (loss, backward,
+AdamW) after one warm-up step, with the tree's own loss and collation. It prints the completion tokens trained
+per second. Rounds alternate the children's order, so a machine that drifts slows each alike; the figures are
+medians over rounds, with each round's after / before ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+import results  # bench/results.py (this script runs with bench/ on its path)
+from checkouts import last_figure, run_child
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHILD = r"""
+import contextlib, json, random, sys, time
+import torch
+from transformers import LlamaConfig
+from specdec.eagle3 import Eagle3Draft, draft_config
+from specdec.train import batches
+from specdec.train.distill import TrainConfig
+from specdec.train.eagle3_train import eagle3_loss, teacher_head
+
+args = json.loads(sys.argv[1])
+torch.manual_seed(0)
+SMOLLM2 = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                      num_key_value_heads=3, vocab_size=49152, rms_norm_eps=1e-5, max_position_embeddings=8192,
+                      rope_theta=100000.0)
+draft = Eagle3Draft(draft_config(SMOLLM2, [2, 15, 27], args["vocab"]))
+draft.set_vocabulary(torch.randperm(SMOLLM2.vocab_size)[: args["vocab"]])
+draft.embed_tokens.weight.requires_grad_(False)
+inv = torch.full((SMOLLM2.vocab_size,), -1, dtype=torch.long)
+inv[draft.draft_to_target] = torch.arange(args["vocab"])
+head = teacher_head(torch.nn.Linear(576, SMOLLM2.vocab_size, bias=False), draft.kept_ids())
+cfg = TrainConfig(draft="eagle3", teacher="online", ttt_steps=args["ttt"], eagle_aux_layer_ids=[2, 15, 27])
+rng = random.Random(1)
+micro = []
+for _ in range(args["steps"] + 1):
+    prompts = [rng.randint(40, 230) for _ in range(16)]
+    seqs = [[int(draft.draft_to_target[rng.randrange(args["vocab"])]) for _ in range(p + rng.randint(16, 96))]
+            for p in prompts]
+    batch = batches.collate({"input_ids": seqs, "prompt_length": prompts}, pad_id=0, max_length=512)
+    states = torch.randn(*batch["input_ids"].shape, 4 * 576)
+    if args["pack"]:
+        packed = batches.pack(batch, 512)
+        batch, states = packed, batches.place(states, packed)
+    micro.append((batch, states))
+optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-5)
+autocast = torch.autocast("cpu", dtype=torch.bfloat16) if args["bf16"] else contextlib.nullcontext()
+tokens, seconds = 0, 0.0
+with autocast:
+    for i, (batch, states) in enumerate(micro):
+        start = time.perf_counter()
+        loss = eagle3_loss(cfg, draft, batch, states, head, inv)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if i:  # the first step warms up
+            seconds += time.perf_counter() - start
+            tokens += int(batch["loss_mask"].sum())
+print("TOKENS_PER_S", tokens / seconds)
+"""
+
+
+def tokens_per_s(tree: Path, settings: dict) -> float:
+    return last_figure(run_child(tree, CHILD, settings), "TOKENS_PER_S")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--before", type=Path, required=True, help="a checkout (git worktree) of the earlier commit")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--ttt", type=int, default=3)
+    parser.add_argument("--vocab", type=int, default=4096, help="draft vocabulary (the demo recipe's)")
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast (what the trainer uses where native)")
+    args = parser.parse_args()
+    base = {"steps": args.steps, "ttt": args.ttt, "vocab": args.vocab, "bf16": args.bf16}
+    children = {"before": (args.before.resolve(), False), "after": (ROOT, False), "after, packed": (ROOT, True)}
+    figures: dict[str, list[float]] = {name: [] for name in children}
+    names = list(children)
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            tree, packed = children[name]
+            figures[name].append(tokens_per_s(tree, {**base, "pack": packed}))
+        print(f"round {r + 1}: " + ", ".join(f"{n} {figures[n][-1]:.0f}" for n in names), flush=True)
+    median = {n: statistics.median(v) for n, v in figures.items()}
+    rows = ["| code | trained tokens/s (median) | / before | per round |", "|---|---:|---:|---|"]
+    rows += [f"| {n} | {median[n]:.0f} | {median[n] / median['before']:.3f} | "
+             f"{', '.join(f'{x:.0f}' for x in figures[n])} |" for n in names]
+    ratios = [a / b for a, b in zip(figures["after"], figures["before"])]
+    body = "\n".join([
+        f"EAGLE-3 training steps (loss, backward, AdamW), ttt_steps {args.ttt}, SmolLM2-135M shapes, draft "
+        f"vocabulary {args.vocab}, micro-batches of 16 samples of demo-like lengths (prompt 40-230 + completion "
+        f"16-96 tokens), {'bf16 autocast' if args.bf16 else 'float32'}, CPU; {args.steps} timed steps per child, "
+        f"{args.rounds} rounds in alternating order. before = {args.before.name} "
+        f"({results.commit_of(args.before)}).", "", *rows, "",
+        f"after / before per round: {', '.join(f'{x:.3f}' for x in ratios)}", ""])
+    print(body)
+    print(f"written to {results.write('train-throughput', 'EAGLE-3 trained tokens per second, before and after', body)}")
+
+
+if __name__ == "__main__":
+    main()
