@@ -233,3 +233,16 @@ def save_model(model: torch.nn.Module, tokenizer, out_dir: str | Path, **save_op
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+def resolve_mixed_precision(setting: str, device: str) -> str:
+    """Training's mixed precision for `setting` (auto | no | bf16 | fp16) on `device` (a TrainConfig's)."""
+    if setting != "auto":
+        return setting
+    if os.environ.get("ACCELERATE_MIXED_PRECISION"):
+        return os.environ["ACCELERATE_MIXED_PRECISION"]
+    if torch.cuda.is_available() and device != "cpu":
+        return "bf16" if torch.cuda.is_bf16_supported() else "no"
+    # CPUs with native bf16 dot products (AVX512-BF16, AMX) train faster under bf16 autocast; elsewhere bf16 is
+    # emulated and slower than float32.
+    return "bf16" if cpu_has_native_bf16() else "no"

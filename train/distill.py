@@ -14,7 +14,7 @@ output_dir/final/. `.item()` happens only at log and eval steps.
 
 Each kind of draft owns its construction, teacher signal, loss and held-out figures: token-only drafts in
 train/plain_train.py (online, offline or on-policy teacher), EAGLE-3 drafts (draft=eagle3: they read the target's
-hidden states, recorded by the data stage or computed once per sample, and train on unrolled proposals) in
+hidden states, read per batch from the data stage's recording or computed per batch, and train on unrolled proposals) in
 train/eagle3_train.py. The loop never asks which kind it holds.
 """
 
@@ -35,7 +35,7 @@ from accelerate.utils import gather_object, set_seed
 from tqdm.auto import tqdm
 
 from specdec.config import config_from_cli, help_text, to_dict
-from specdec.models import EMBEDDED_TARGET, cpu_has_native_bf16, load_model, load_tokenizer
+from specdec.models import EMBEDDED_TARGET, load_model, load_tokenizer, resolve_mixed_precision
 from specdec.tokens import tokenizer_pad_id
 from specdec.train import draft as draft_lib
 from specdec.train import losses, plan
@@ -202,19 +202,6 @@ class TrainConfig:
         return self.teacher in ("online", "on_policy") or self.draft == EAGLE3
 
 
-def _mixed_precision(cfg: TrainConfig) -> str:
-    if cfg.mixed_precision != "auto":
-        return cfg.mixed_precision
-    if os.environ.get("ACCELERATE_MIXED_PRECISION"):
-        return os.environ["ACCELERATE_MIXED_PRECISION"]
-    cuda = torch.cuda.is_available() and cfg.device != "cpu"
-    if cuda:
-        return "bf16" if torch.cuda.is_bf16_supported() else "no"
-    # CPUs with native bf16 dot products (AVX512-BF16, AMX) train faster under bf16 autocast; elsewhere bf16 is
-    # emulated and slower than float32.
-    return "bf16" if cpu_has_native_bf16() else "no"
-
-
 def _wandb_run(cfg: TrainConfig):
     try:
         import wandb
@@ -235,7 +222,8 @@ class Distiller:
         self.cfg = cfg
         self.budget = TimeBudget(cfg.max_minutes or math.inf, cfg.max_steps)  # loading counts as training time
         self.accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum_steps,
-                                       mixed_precision=_mixed_precision(cfg), cpu=cfg.device == "cpu")
+                                       mixed_precision=resolve_mixed_precision(cfg.mixed_precision, cfg.device),
+                                       cpu=cfg.device == "cpu")
         acc = self.accelerator
         self.main, self.rank, self.world, self.device = (acc.is_main_process, acc.process_index,
                                                          acc.num_processes, acc.device)

@@ -40,8 +40,22 @@ from pathlib import Path
 
 import torch
 
-from specdec.config import _build
-from specdec.models import is_embedded, resolve_dtype
+from specdec import models
+from specdec.config import _build, _CliText, help_text, load_config, split_cli
+from specdec.eagle3 import (
+    RECORDED_STATES_DTYPE,
+    Eagle3Draft,
+    check_layer_ids,
+    default_layer_ids,
+    draft_config,
+)
+from specdec.eagle3_attention import chunk_size
+from specdec.models import is_embedded, resolve_device, resolve_dtype, resolve_mixed_precision
+from specdec.train.batches import data_folders
+from specdec.train.data import DataConfig
+from specdec.train.draft import DERIVED, EAGLE3, SCRATCH, _resolve_layers, _subset_layer_config
+from specdec.train.eagle3_states import recorded_layer_ids
+from specdec.train.eagle3_train import LOSS_CHUNK_VALUES
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +98,6 @@ def target_config(target: str, override: str | dict | None = None, convert_embed
             text = path.read_text()
         return config_from_dict(json.loads(text))
     if is_embedded(target):
-        from specdec import models
 
         cache = models.cache_root() / "smollm2-135m-instruct"
         if convert_embedded or (cache / "config.json").is_file():
@@ -193,8 +206,6 @@ def eagle3_activations(batch: int, length: int, steps: int, w: Widths, draft_voc
     bmm's gradient; under half autocast three float32 ones: the softmax, its gradient cast back to float32 and
     softmax's backward), while the step's MLP part is already freed and each step's output gradient [P, H] waits.
     """
-    from specdec.eagle3_attention import chunk_size
-    from specdec.train.eagle3_train import LOSS_CHUNK_VALUES
 
     hid, q, k, inter, v = w.hidden, w.q, w.kv, w.intermediate, draft_vocab
     n = max(length - 1, 1)
@@ -392,17 +403,14 @@ def split_plan_args(argv: list[str]) -> tuple[PlanOptions, list[str]]:
         else:
             rest.append(arg)
         i += 1
-    from specdec.config import _CliText
 
     return _build(PlanOptions, {k: v if isinstance(v, bool) else _CliText(v) for k, v in values.items()}), rest
 
 
 def _draft_module(cfg, target_cfg, draft_vocab: int):
     """The draft as the trainer builds it, on the meta device (its parameters' shapes and requires_grad)."""
-    from specdec.train.draft import DERIVED, EAGLE3, SCRATCH, _resolve_layers, _subset_layer_config
 
     if cfg.draft == EAGLE3:
-        from specdec.eagle3 import Eagle3Draft, check_layer_ids, default_layer_ids, draft_config
 
         layers = _text(target_cfg).num_hidden_layers
         ids = check_layer_ids(cfg.eagle_aux_layer_ids or default_layer_ids(layers), layers)
@@ -453,8 +461,6 @@ def _states_online(cfg) -> tuple[bool, str]:
     if cfg.states != "auto":
         return cfg.states == "online", f"states={cfg.states}"
     try:
-        from specdec.train.batches import data_folders
-        from specdec.train.eagle3_states import recorded_layer_ids
 
         folders, _ = data_folders(cfg)
         recorded = all(recorded_layer_ids(f) is not None for f in folders)
@@ -468,7 +474,6 @@ def plan_run(cfg, target_cfg, *, device_type: str, mixed_precision: str, devices
     """The plan of `cfg` (a TrainConfig) over a target of config `target_cfg`, on `devices` devices of
     `device_type` ("cuda" or "cpu") under `mixed_precision` ("no", "bf16", "fp16"). `data` (a DataConfig) and
     `samples`/`mean_length` size the data stage's disk."""
-    from specdec.train.draft import EAGLE3
 
     half = mixed_precision in HALF
     tw = Widths.of(target_cfg)
@@ -562,8 +567,6 @@ def _heldout_bytes(cfg, tw: Widths, dw: Widths, draft_vocab: int, aux: int, onli
     time) and, where the data stored top-n log-probs, the first proposal's q at those ids, a chunk of positions
     at a time; a plain draft's logits and (online) the target's, with alpha's
     [rows, target vocabulary] blocks."""
-    from specdec.train.draft import EAGLE3
-    from specdec.train.eagle3_train import LOSS_CHUNK_VALUES
 
     b, s, v, e = cfg.eval_batch_size, cfg.max_length, draft_vocab, tw.vocab
     positions = b * s
@@ -584,8 +587,6 @@ def _heldout_bytes(cfg, tw: Widths, dw: Widths, draft_vocab: int, aux: int, onli
 
 def _reads_and_disk(cfg, tw: Widths, aux: int, devices: int, online: bool, data, samples: int,
                     mean_length: int) -> tuple[list[Term], list[Term], list[str]]:
-    from specdec.eagle3 import RECORDED_STATES_DTYPE
-    from specdec.train.draft import EAGLE3
 
     reads, disk, notes = [], [], []
     state_bytes = torch.finfo(RECORDED_STATES_DTYPE).bits // 8
@@ -648,8 +649,6 @@ def plan_for(cfg, options: PlanOptions | None = None, *, device: torch.device | 
              mixed_precision: str | None = None, devices: int | None = None, data=None,
              convert_embedded: bool = False) -> Plan:
     """The plan of `cfg` on this machine (or the one `plan_device_gb` / `plan_devices` describe)."""
-    from specdec.models import resolve_device
-    from specdec.train.distill import _mixed_precision
 
     options = options or PlanOptions()
     if cfg.plan_device_gb < 0 or cfg.plan_devices < 0:
@@ -662,8 +661,8 @@ def plan_for(cfg, options: PlanOptions | None = None, *, device: torch.device | 
             device = resolve_device(cfg.device)
     if mixed_precision is None:
         here = device.type == "cpu" or torch.cuda.is_available()
-        mixed_precision = _mixed_precision(cfg) if here else "bf16" if cfg.mixed_precision == "auto" \
-            else cfg.mixed_precision
+        auto_elsewhere = "bf16" if cfg.mixed_precision == "auto" else cfg.mixed_precision  # a GPU's, planned
+        mixed_precision = resolve_mixed_precision(cfg.mixed_precision, cfg.device) if here else auto_elsewhere
     devices = devices or cfg.plan_devices or int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
     memory, source = device_memory(device, cfg.plan_device_gb, local)
@@ -677,8 +676,6 @@ def recipe_data_config(path: str | None):
     """The recipe's `data:` section (None without a recipe or one that does not validate here)."""
     if not path:
         return None
-    from specdec.config import load_config
-    from specdec.train.data import DataConfig
 
     try:
         return load_config(DataConfig, path, section="data")
@@ -705,7 +702,6 @@ def check_run(cfg, device: torch.device, mixed_precision: str, world: int, main:
 
 def show(cfg, options: PlanOptions, argv: list[str]) -> int:
     """`specdec train --plan`: print the plan (with the recipe's data section for disk); 1 when it does not fit."""
-    from specdec.config import split_cli
 
     path, _ = split_cli(argv, type(cfg))
     plan = plan_for(cfg, options, data=recipe_data_config(path))
@@ -719,7 +715,6 @@ def show(cfg, options: PlanOptions, argv: list[str]) -> int:
 
 def help_lines() -> str:
     """`specdec train --help`'s lines for the plan options."""
-    from specdec.config import help_text
 
     text = help_text(PlanOptions, "", "plan: `specdec train --plan` (also reads plan_device_gb, plan_devices)")
     return "\n" + "\n".join(text.splitlines()[2:-2])
