@@ -147,3 +147,15 @@ def test_embedded_default_draft_derives_reduces_and_round_trips(tmp_path):
     again = load_model(str(tmp_path), dtype="float32", device="cpu")
     assert torch.allclose(again(ids).logits, derived.eval()(ids).logits, atol=1e-5)
     assert torch.equal(draft_to_target_map(again), keep)
+
+
+def test_an_eagle3_draft_over_a_large_vocabulary_keeps_32k_ids_by_default():
+    from specdec.train.distill import TrainConfig
+
+    assert draft_lib.kept_vocab_size(TrainConfig(draft="eagle3"), 128_256) == 32_000
+    assert draft_lib.kept_vocab_size(TrainConfig(draft="eagle3"), 4096) == 0  # a small vocabulary stays whole
+    assert draft_lib.kept_vocab_size(TrainConfig(draft="derived"), 128_256) == 0  # token-only drafts: full
+    assert draft_lib.kept_vocab_size(TrainConfig(draft="eagle3", draft_vocab_size=0), 128_256) == 0
+    assert draft_lib.kept_vocab_size(TrainConfig(draft="eagle3", draft_vocab_size=500), 128_256) == 500
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        TrainConfig(draft_vocab_size=-2)

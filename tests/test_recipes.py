@@ -94,7 +94,7 @@ def test_recipe_smoke_runs_two_steps(path, tiny_world, tmp_path):
         tiny["draft"] = str(tiny_world / "small")
     if cfg.draft == "eagle3":  # the tiny target has 3 layers: ids 1 and 2 are all it has
         tiny["eagle_aux_layer_ids"] = [1, 2]
-    if cfg.draft_vocab_size:
+    if cfg.draft_vocab_size > 0:
         tiny["draft_vocab_size"] = 32
     if cfg.lora:
         tiny["lora_r"] = 2

@@ -84,7 +84,9 @@ class TrainConfig:
     # draft construction
     draft_layers: list[int] = field(default_factory=lambda: [0, 1, -1])
     draft_config: dict = field(default_factory=dict)  # overrides of the target config for draft=scratch
-    draft_vocab_size: int = 0  # 0 = full vocabulary; N = keep the N most frequent completion tokens
+    # N = keep the N most frequent completion tokens in the head; 0 = the full vocabulary; -1 = auto (an EAGLE-3
+    # draft keeps 32,000 over a larger vocabulary, as the peers do; a token-only draft the full one)
+    draft_vocab_size: int = -1
     # Keep the input embeddings (the target's) fixed: tokens absent from the training data keep embeddings
     # that match the trained layers. With a tied full head this freezes the head too.
     freeze_embeddings: bool = False
@@ -170,8 +172,11 @@ class TrainConfig:
         check_minutes(self.max_minutes)
         if self.data_workers < 0:
             raise ValueError(f"data_workers must be >= 0, got {self.data_workers}")
-        if self.warmup_steps < 0 or self.eval_every < 0 or self.save_every < 0 or self.draft_vocab_size < 0:
-            raise ValueError("warmup_steps, eval_every, save_every and draft_vocab_size must be >= 0")
+        if self.warmup_steps < 0 or self.eval_every < 0 or self.save_every < 0:
+            raise ValueError("warmup_steps, eval_every and save_every must be >= 0")
+        if self.draft_vocab_size < -1:
+            raise ValueError(f"draft_vocab_size must be N >= 1, 0 (the full vocabulary) or -1 (auto), got "
+                             f"{self.draft_vocab_size}")
         if not self.eval_k or min(self.eval_k) < 1 or self.best_k not in self.eval_k:
             raise ValueError(f"eval_k must list k >= 1 and include best_k={self.best_k}, got {self.eval_k}")
         if self.draft == "feature":
@@ -254,17 +259,17 @@ class Distiller:
         lengths = row_lengths(self.train_ds, cfg.max_length)
         self.schedule = Schedule(lengths, cfg.per_device_batch_size * self.world, cfg.seed, cfg.bucket_by_length)
 
-    def draft_vocabulary(self, vocab_size: int) -> torch.Tensor:
+    def draft_vocabulary(self, vocab_size: int, size: int) -> torch.Tensor:
         """The reduced draft head's target ids: counted once, by the main process, and kept in
         output_dir/draft_vocab.json for every process and every resume on the same data."""
         cfg, path = self.cfg, self.out / "draft_vocab.json"
         train_paths, heldout_path = data_folders(cfg)
-        key = {"size": cfg.draft_vocab_size, "vocab": vocab_size, "heldout": str(heldout_path or cfg.heldout_fraction),
+        key = {"size": size, "vocab": vocab_size, "heldout": str(heldout_path or cfg.heldout_fraction),
                "data": [[str(p), read_manifest(p).get("fingerprint"), len(read_manifest(p)["shards"])]
                         for p in train_paths]}
         if self.main and (not path.is_file() or json.loads(path.read_text()).get("key") != key):
             tok = self.tokenizer
-            keep = draft_lib.frequent_ids(self.train_ds, cfg.draft_vocab_size, vocab_size,
+            keep = draft_lib.frequent_ids(self.train_ds, size, vocab_size,
                                           [tok.eos_token_id, tok.bos_token_id, self.pad_id])
             tmp = path.with_name(f".{path.name}.tmp")
             tmp.write_text(json.dumps({"key": key, "ids": keep.tolist()}))

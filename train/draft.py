@@ -135,6 +135,20 @@ def select_vocab(counts: torch.Tensor, size: int, always_keep: Iterable[int] = (
     return torch.tensor(sorted(keep[:size]), dtype=torch.long)
 
 
+# The reduced head an EAGLE-3 draft over a larger vocabulary keeps by default: EAGLE-3's, SpecForge's and
+# speculators' setting (a 128k-152k head would be most of the draft's weights and of its step's cost).
+EAGLE3_DEFAULT_VOCAB = 32_000
+
+
+def kept_vocab_size(cfg, target_vocab: int) -> int:
+    """The reduced head's size for a TrainConfig over `target_vocab` ids, 0 = the full vocabulary:
+    `draft_vocab_size` where set (>= 0); auto (-1): EAGLE3_DEFAULT_VOCAB for an EAGLE-3 draft over a larger
+    vocabulary, else the full one."""
+    if cfg.draft_vocab_size >= 0:
+        return cfg.draft_vocab_size
+    return EAGLE3_DEFAULT_VOCAB if cfg.draft == EAGLE3 and target_vocab > EAGLE3_DEFAULT_VOCAB else 0
+
+
 def frequent_ids(train_ds, size: int, vocab_size: int, always_keep: Iterable[int] = ()) -> torch.Tensor:
     """The `size` target ids most frequent among the training completions (a reduced draft head's ids)."""
     counts = completion_token_counts(train_ds.select_columns(["input_ids", "prompt_length"]), vocab_size)

@@ -32,6 +32,7 @@ from specdec.eagle3 import Eagle3Draft, positions_in_documents
 from specdec.replay import runs_from_ranks, tau_from_runs, top_n_agreement
 from specdec.train import losses
 from specdec.train.batches import place
+from specdec.train.draft import kept_vocab_size
 from specdec.train.eagle3_states import States, StatesReader
 
 log = logging.getLogger(__name__)
@@ -170,7 +171,9 @@ class Eagle3Training:
 
     def __init__(self, cfg, target, tokenizer, vocabulary, device, autocast, folders):
         self.cfg, self.autocast = cfg, autocast
-        keep = vocabulary(target.get_input_embeddings().num_embeddings) if cfg.draft_vocab_size else None
+        vocab = target.get_input_embeddings().num_embeddings
+        size = kept_vocab_size(cfg, vocab)
+        keep = vocabulary(vocab, size) if size else None
         model = Eagle3Draft.from_target(target, cfg.eagle_aux_layer_ids or None, keep, cfg.seed)
         model = model.float().to(device)
         check_compatible(tokenizer, tokenizer, target, model)

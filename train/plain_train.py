@@ -179,8 +179,10 @@ class PlainTraining:
         model = draft_lib.build_draft(cfg.draft, target, cfg.draft_layers, cfg.draft_config, cfg.seed, device)
         own_tokenizer = cfg.draft in (draft_lib.DERIVED, draft_lib.SCRATCH)
         check_compatible(tokenizer, tokenizer if own_tokenizer else load_tokenizer(cfg.draft), target, model)
-        if cfg.draft_vocab_size:
-            draft_lib.reduce_vocab(model, vocabulary(model.get_input_embeddings().num_embeddings).to(device))
+        vocab = model.get_input_embeddings().num_embeddings
+        size = draft_lib.kept_vocab_size(cfg, vocab)
+        if size:
+            draft_lib.reduce_vocab(model, vocabulary(vocab, size).to(device))
         self.id_map = draft_to_target_map(model)
         self.target = target if cfg.needs_target else None  # derived from it; the offline teacher needs no more
         target_vocab = target.get_output_embeddings().out_features if target is not None else len(tokenizer)

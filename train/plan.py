@@ -53,7 +53,14 @@ from specdec.eagle3_attention import chunk_size
 from specdec.models import is_embedded, resolve_device, resolve_dtype, resolve_mixed_precision
 from specdec.train.batches import data_folders
 from specdec.train.data import DataConfig
-from specdec.train.draft import DERIVED, EAGLE3, SCRATCH, _resolve_layers, _subset_layer_config
+from specdec.train.draft import (
+    DERIVED,
+    EAGLE3,
+    SCRATCH,
+    _resolve_layers,
+    _subset_layer_config,
+    kept_vocab_size,
+)
 from specdec.train.eagle3_states import recorded_layer_ids
 from specdec.train.eagle3_train import LOSS_CHUNK_VALUES
 
@@ -434,7 +441,7 @@ def _draft_module(cfg, target_cfg, draft_vocab: int):
     else:
         config = AutoConfig.from_pretrained(cfg.draft)
     model = _on_meta(lambda: AutoModelForCausalLM.from_config(config))
-    if cfg.draft_vocab_size:
+    if kept_vocab_size(cfg, draft_vocab):
         head = model.get_output_embeddings()
         model.set_output_embeddings(_on_meta(lambda: torch.nn.Linear(head.in_features, draft_vocab,
                                                                     bias=head.bias is not None)))
@@ -444,7 +451,7 @@ def _draft_module(cfg, target_cfg, draft_vocab: int):
         model.get_output_embeddings().requires_grad_(False)
     if cfg.lora:
         trainable = _lora_parameters(model, cfg.lora_r, cfg.lora_target_modules)
-        if cfg.draft_vocab_size:
+        if kept_vocab_size(cfg, draft_vocab):
             trainable += model.get_output_embeddings().weight.numel()
         model.requires_grad_(False)
         model.lora_trainable = trainable
@@ -477,7 +484,7 @@ def plan_run(cfg, target_cfg, *, device_type: str, mixed_precision: str, devices
 
     half = mixed_precision in HALF
     tw = Widths.of(target_cfg)
-    draft_vocab = cfg.draft_vocab_size or tw.vocab
+    draft_vocab = kept_vocab_size(cfg, tw.vocab) or tw.vocab
     draft, aux, dw, draft_layers = _draft_module(cfg, target_cfg, draft_vocab)
     trainable, frozen = _meta_counts(draft)
     if cfg.lora and hasattr(draft, "lora_trainable"):
