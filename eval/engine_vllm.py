@@ -449,7 +449,7 @@ def counters_delta(before: dict, after: dict) -> dict:
 
 
 def acceptance(delta: dict, k: int) -> dict:
-    """DESIGN.md's figures from the differenced counters.
+    """docs/design.md's figures from the differenced counters.
 
     acceptance rate = accepted / proposed; mean accepted tokens tau = 1 + accepted / drafts (the correction or
     bonus token included); per-position acceptance P(i accepted | < i accepted) = accepted at i / accepted at

@@ -1,4 +1,4 @@
-"""`specdec verify`: is speculative sampling distributed exactly as the target? (DESIGN.md rule 2)
+"""`specdec verify`: is speculative sampling distributed exactly as the target? (docs/design.md rule 2)
 
 Default run: a seeded tiny target/draft pair over a small vocabulary, built in-process. The first m generated
 tokens are sampled many times in both modes (speculative and target-only, batched by repeating the prompt, plus

@@ -19,7 +19,7 @@ import sys
 import traceback
 
 # subcommand -> (module, function, one-line help). Modules are imported lazily: `specdec` must not import
-# `train` or `eval` at module level (DESIGN.md).
+# `train` or `eval` at module level (docs/design.md).
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "data": ("specdec.train.data", "main", "prompts -> target-generated dataset (resumable)"),
     "train": ("specdec.train.distill", "main", "distil a draft on target-generated data"),

@@ -1,6 +1,6 @@
 """The decode loops: `target_generate` (the baseline) and `speculative_generate`, sharing prefill and sampling.
 
-One round of speculative decoding, per DESIGN.md:
+One round of speculative decoding, per docs/design.md:
   1. the draft proposes k tokens autoregressively (specdec/drafter.py: one interface for every kind of draft);
   2. the target scores the last emitted token and the k proposals in one forward;
   3. verification (greedy match or rejection sampling, specdec.verify) gives each row its accepted count n_i
@@ -39,7 +39,7 @@ GREEDY = SamplingConfig()  # frozen, so safe as a shared default
 
 @dataclass
 class DecodeStats:
-    """Counts over all rounds and unfinished rows; names as in DESIGN.md."""
+    """Counts over all rounds and unfinished rows; names as in docs/design.md."""
 
     num_draft_tokens: int = 0
     rounds: int = 0  # verification forwards of the target (batch-wide)

@@ -10,7 +10,7 @@ while they are accepted the draft's context *is* the true prefix, so the teacher
 next position is exactly the acceptance test. The round therefore accepts a = the number of leading
 agreements in agree[i : i + k], emits a + 1 tokens (the correction, or the bonus when a = k; fewer at the
 end of the completion) and the next round starts at i + a + 1. tau(k) = tokens emitted / rounds over all
-held-out completions, the same "mean accepted tokens" the decoder reports (DESIGN.md).
+held-out completions, the same "mean accepted tokens" the decoder reports (docs/design.md).
 
 Draft trees (specdec/tree.py) generalise the test from "the draft's first choice" to "within the draft's top w_j at
 the round's j-th position": `replay_ranks` gives, for each round start and j, the rank of the target's token among

@@ -1,6 +1,6 @@
 """Sampling settings and the logits -> distribution warp shared by the target (p) and the draft (q).
 
-DESIGN.md rule 3: temperature, top-k and top-p warp p and q identically, before the acceptance test, and the
+docs/design.md rule 3: temperature, top-k and top-p warp p and q identically, before the acceptance test, and the
 softmax runs in float32 whatever the models' dtype.
 """
 

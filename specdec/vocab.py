@@ -2,7 +2,7 @@
 
 A reduced draft keeps its full input embedding (prompts use every target token) but its LM head scores only
 N kept target ids. `draft_to_target[i]` is the target id of draft logit i. The decoder maps q into the target
-vocabulary with q(x) = 0 outside the kept ids, which keeps speculative decoding exact (DESIGN.md rule 4).
+vocabulary with q(x) = 0 outside the kept ids, which keeps speculative decoding exact (docs/design.md rule 4).
 
 On disk the checkpoint is a plain transformers checkpoint whose `lm_head.weight` has N rows, plus
 `draft_vocab.safetensors` holding `draft_to_target`, and `config.specdec_draft_vocab_size = N`.

@@ -21,7 +21,7 @@ from specdec.train.data import DataConfig, conversation, load_generated, plan_it
 from specdec.train.prompt_set import EMBEDDED_HELDOUT_PROMPTS, EMBEDDED_TRAIN_PROMPTS, build_prompt_sets
 
 REPO = Path(__file__).resolve().parents[1]
-from conftest import SPEC_BENCH  # noqa: E402
+from conftest import SPEC_BENCH, needs_spec_bench  # noqa: E402
 
 WORDS = "the a of to and is explain write sum number city water food book list simple clear".split()
 
@@ -531,6 +531,7 @@ def test_embedded_prompt_set_shape():
     assert any(len(p.turns) == 2 for p in train)
 
 
+@needs_spec_bench
 def test_embedded_prompt_set_has_no_spec_bench_text():
     ours = [_norm(t) for f in (EMBEDDED_TRAIN_PROMPTS, EMBEDDED_HELDOUT_PROMPTS) for p in read_prompts(f) for t in p.turns]
     theirs = [_norm(t) for p in read_prompts(SPEC_BENCH) for t in p.turns]

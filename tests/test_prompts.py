@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import (
     SPEC_BENCH,  # noqa: E402
+    needs_spec_bench,
     tiny_tokenizer,
 )
 
@@ -71,6 +72,7 @@ def test_bad_records(record):
         normalise_record(record, 0)
 
 
+@needs_spec_bench
 def test_spec_bench_file_parses():
     prompts = read_prompts(SPEC_BENCH)
     assert len(prompts) == 80

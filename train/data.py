@@ -111,7 +111,7 @@ _VLLM_LOG = "vllm-worker.log"  # vLLM's own log, beside the data
 _VLLM_START_TIMEOUT_S = 1800.0  # a first start may download the model, and on a CPU compiles it for minutes
 _VLLM_REQUEST_TIMEOUT_S = 600.0  # plus the request's tokens at the slowest rate an engine plausibly decodes
 _VLLM_SLOWEST_TOKENS_PER_S = 5.0
-_VLLM_CPU_KVCACHE_GIB = "2"  # ENGINES.md: 1 GiB is plenty for small models; 2 holds a batch of 64 SmolLM2 rows
+_VLLM_CPU_KVCACHE_GIB = "2"  # GiB of KV cache on a CPU: 1 is plenty for small models; 2 holds a batch of 64 SmolLM2 rows
 _VLLM_DTYPES = ("float32", "bfloat16", "float16")  # vLLM has no float64
 
 
@@ -740,7 +740,7 @@ def _engine_settings(cfg: DataConfig, device, dtype: str, prefill_model_loaded: 
            if k not in ("PYTHONPATH", "PYTHONHOME") + _LAUNCHER_ENV and not k.startswith("TORCHELASTIC_")}
     env["SPECDEC_VLLM_PARENT"] = str(os.getpid())
     if device.type == "cpu":
-        # One process (it starts faster than with vLLM's default engine process, ENGINES.md) and a KV cache of a
+        # One process (it starts faster than with vLLM's default engine process) and a KV cache of a
         # set size: vLLM's CPU default is a share of the machine's memory.
         args["distributed_executor_backend"] = "uni"
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

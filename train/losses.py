@@ -1,6 +1,6 @@
 """Distillation losses and acceptance metrics: pure functions over logits.
 
-Conventions (DESIGN.md): `p` is the target (teacher) distribution, `q` the draft (student) distribution.
+Conventions (docs/design.md): `p` is the target (teacher) distribution, `q` the draft (student) distribution.
 Every loss takes `student_logits` and `teacher_logits` of shape [..., V] and an optional boolean `mask` [...]
 that selects the positions to average over (completion tokens). Masked positions are dropped *before* any
 softmax, so padded rows can hold anything, and the result is the mean over the selected positions.
