@@ -23,12 +23,12 @@ def _kl_ref(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("name", ["fkl", "rkl", "jsd", "tvd"])
 def test_zero_for_identical_inputs(name):
     x = _logits(0)
-    assert losses.distill_loss(name, x, x.clone(), beta=0.3).abs() < 1e-6
+    assert losses.LOSSES[name](x, x.clone(), beta=0.3).abs() < 1e-6
 
 
 @pytest.mark.parametrize("name", ["fkl", "rkl", "jsd", "tvd"])
 def test_positive_for_different_inputs(name):
-    assert losses.distill_loss(name, _logits(0), _logits(1), beta=0.3) > 1e-3
+    assert losses.LOSSES[name](_logits(0), _logits(1), beta=0.3) > 1e-3
 
 
 def test_forward_and_reverse_kl_match_the_definition():
@@ -84,8 +84,8 @@ def test_mask_selects_positions_and_ignores_garbage_elsewhere():
     s_bad[~mask] = float("nan")
     t_bad[~mask] = float("-inf")
     for name in ("fkl", "rkl", "jsd", "tvd"):
-        want = losses.distill_loss(name, s[mask], t[mask])
-        got = losses.distill_loss(name, s_bad, t_bad, mask)
+        want = losses.LOSSES[name](s[mask], t[mask])
+        got = losses.LOSSES[name](s_bad, t_bad, mask)
         assert torch.allclose(got, want), name
     labels = torch.randint(0, 11, (3, 5))
     ref = -s.log_softmax(-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)[mask].mean()
@@ -111,7 +111,7 @@ def test_truncated_teacher_offline_topn():
     assert torch.allclose(p_renorm.sum(-1), torch.ones(4, dtype=p_renorm.dtype))
     s = _logits(15, (4, vocab)).requires_grad_()
     for name in ("fkl", "rkl", "jsd", "tvd"):
-        loss = losses.distill_loss(name, s, dense, beta=0.5)
+        loss = losses.LOSSES[name](s, dense, beta=0.5)
         grad, = torch.autograd.grad(loss, s)
         assert torch.isfinite(loss) and torch.isfinite(grad).all(), name
     # Forward KL against the renormalised top-n: sum over the n ids only.
@@ -122,7 +122,7 @@ def test_truncated_teacher_offline_topn():
     assert torch.allclose(losses.forward_kl(s, dense), ref.float(), atol=1e-5)
     # The same teacher as its own student: every divergence is zero.
     for name in ("fkl", "rkl", "jsd", "tvd"):
-        assert losses.distill_loss(name, dense, dense) < 1e-6
+        assert losses.LOSSES[name](dense, dense) < 1e-6
 
 
 def test_reduced_vocab_teacher_is_renormalised_but_alpha_is_not():
@@ -167,6 +167,70 @@ def test_greedy_agreement_and_topn_alpha():
     reduced = _logits(5, (6, 4))
     assert torch.allclose(losses.acceptance_alpha_topn(reduced, top.indices, top.values, draft_to_target=kept),
                           losses.acceptance_alpha(reduced, t, draft_to_target=kept), atol=1e-6)
+
+
+# ---- the loss table and its composition ---------------------------------------------------------------------
+
+
+def _cfg(**kw):
+    from specdec.train.distill import TrainConfig
+
+    return TrainConfig(**kw)
+
+
+def test_configured_loss_adds_weighted_ce_to_a_divergence_and_ce_alone_ignores_the_weight():
+    s, t = _logits(20, (7, 11)).float(), _logits(21, (7, 11)).float()
+    ids = torch.randint(0, 11, (7,), generator=torch.Generator().manual_seed(0))
+    valid = torch.tensor([True, True, False, True, True, True, False])
+    fkl, ce = losses.forward_kl(s, t, temperature=2.0), losses.cross_entropy(s, ids, valid)
+    got = losses.configured_loss(_cfg(loss="fkl", ce_weight=0.3, temperature=2.0), s, t, ids, valid)
+    assert torch.equal(got, fkl + 0.3 * ce)
+    assert torch.equal(losses.configured_loss(_cfg(loss="ce", ce_weight=0.3), s, None, ids, valid), ce)
+    assert not losses.reads_teacher(_cfg(loss="ce", ce_weight=0.3)) and losses.reads_teacher(_cfg(loss="tvd"))
+    jsd = losses.configured_loss(_cfg(loss="jsd", beta=0.2), s, t, ids, summed=True)
+    assert torch.equal(jsd, losses.generalized_jsd(s, t, beta=0.2) * 7)
+
+
+@pytest.fixture
+def stub_loss(monkeypatch):
+    """A loss registered in the table only: 7 at every position, recording the options it was given."""
+    seen = []
+
+    def seven(student_logits, teacher_logits, mask=None, temperature=1.0):
+        seen.append((tuple(student_logits.shape), tuple(teacher_logits.shape), temperature))
+        return student_logits.float().mean() * 0.0 + 7.0
+
+    monkeypatch.setitem(losses.LOSSES, "seven", losses.Loss(seven, losses.TEACHER, ("temperature",)))
+    return seen
+
+
+def test_a_loss_registered_in_the_table_trains_both_kinds(stub_loss):
+    """Adding a loss is a row of `losses.LOSSES`: the config accepts it and both trainers compose it."""
+    from conftest import tiny_llama
+
+    from specdec.eagle3 import Eagle3Draft
+    from specdec.train import plain_train
+    from specdec.train.batches import collate
+    from specdec.train.eagle3_states import target_states
+    from specdec.train.eagle3_train import eagle3_loss, teacher_head
+
+    with pytest.raises(ValueError, match="fkl, rkl, jsd, tvd, ce, seven"):
+        _cfg(loss="unknown")
+    batch = collate({"input_ids": [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14]], "prompt_length": [2, 2]}, pad_id=0,
+                    max_length=16)
+    student = _logits(22, (2, 6, 128)).float().requires_grad_()
+    cfg = _cfg(loss="seven", ce_weight=0.5, temperature=1.5)
+    scored = int(batch["loss_mask"].sum())
+    plain = plain_train.compute_loss(cfg, student, _logits(23, (scored, 128)).float(), batch, None)
+    ce = losses.cross_entropy(student[batch["loss_mask"]], batch["labels"][batch["loss_mask"]])
+    assert torch.allclose(plain, 7.0 + 0.5 * ce) and stub_loss == [((scored, 128), (scored, 128), 1.5)]
+    target = tiny_llama(seed=0, layers=4, dtype=torch.float32)
+    draft = Eagle3Draft.from_target(target, [1, 2, 3], seed=1)
+    states = target_states(target, batch["input_ids"], batch["attention_mask"], [1, 2, 3]).float()
+    head = teacher_head(target.get_output_embeddings(), draft.kept_ids())
+    cfg = _cfg(draft="eagle3", loss="seven", ttt_steps=2, eagle_aux_layer_ids=[1, 2, 3])
+    assert torch.allclose(eagle3_loss(cfg, draft, batch, states, head, None), torch.tensor(7.0))
+    assert len(stub_loss) == 3  # one call per unrolled step
 
 
 # ---- simulate --------------------------------------------------------------------------------------------

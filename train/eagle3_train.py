@@ -8,8 +8,8 @@ j equals the decoder's j-th proposal), and the loss is the decayed mean of each 
     loss = sum_j decay^(j-1) loss_j / sum_j decay^(j-1)      (EAGLE-3 and SpecForge weigh step j by 0.8^(j-1))
 
 loss_j, at the positions whose target token lies in the draft vocabulary (EAGLE-3's position mask), is the
-configured divergence between the draft and the target's distribution over the draft vocabulary, renormalised
-there: online, the target's own head rows applied to its recorded final hidden state (no target forward),
+configured loss (train/losses.py) of the draft against the target's distribution over the draft vocabulary,
+renormalised there (and its tokens, for ce): online, the target's own head rows applied to its recorded final hidden state (no target forward),
 or offline from the stored top-n log-probs. The target's states of each batch are read from the data stage's
 recording (`specdec data record_features=true`) or computed by the target for that batch, and never all kept
 (train/eagle3_states.py). Each step's loss is summed over chunks of positions, so no [positions, vocabulary]
@@ -29,11 +29,12 @@ from torch.utils.checkpoint import checkpoint
 
 from specdec.compat import check_compatible
 from specdec.eagle3 import Eagle3Draft, positions_in_documents
-from specdec.replay import runs_from_ranks, tau_from_runs, top_n_agreement
+from specdec.replay import runs_from_ranks, tau_from_runs
 from specdec.train import losses
 from specdec.train.batches import place
 from specdec.train.draft import kept_vocab_size
 from specdec.train.eagle3_states import States, StatesReader
+from specdec.train.heldout import evaluating, heldout_figures, pooled
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +69,8 @@ def scored_positions(cfg, batch: dict, inv_map, draft_vocab_size: int) -> tuple[
     draft ids. Step j at t belongs to the round starting at t - (j - 1) >= 0; EAGLE-3's position mask keeps the
     positions whose target token the draft can propose.  -> ([steps, B, S - 1] bool, [B, S - 1] long)"""
     labels = batch["labels"][:, 1:]  # draft position t proposes x_{t+2}, which target position t + 1 predicts
-    local = inv_map[labels] if inv_map is not None else labels
-    scored = batch["loss_mask"][:, 1:].bool() & (local >= 0) & (local < draft_vocab_size)
+    local, inside = losses.targets_in_draft_ids(labels, inv_map, draft_vocab_size)
+    scored = batch["loss_mask"][:, 1:].bool() & inside
     if "document_ids" in batch:  # packed rows: a round starts within its own document
         position = positions_in_documents(batch["document_ids"][:, :-1])
     else:
@@ -80,19 +81,12 @@ def scored_positions(cfg, batch: dict, inv_map, draft_vocab_size: int) -> tuple[
 def _loss_sum(cfg, inner, target_head, vocab_map, prenorm, teacher_in, top_ids, top_logprobs, local) -> torch.Tensor:
     """The summed loss over a chunk of scored positions.  prenorm [N, H]; teacher_in [N, H_t] or None."""
     student = inner.logits(prenorm).float()
-    total = student.new_zeros(())
-    if cfg.loss != "ce":
-        if target_head is not None:  # online: the target's own head rows on its final hidden state at t + 1
-            teacher = target_head(teacher_in.to(target_head.weight.dtype)).float()
-        else:
-            teacher = losses.dense_teacher_logits(top_ids, top_logprobs, student.shape[-1], vocab_map)
-        kept_student, kept_teacher = losses.with_teacher_mass(student, teacher)
-        divergence = losses.distill_loss(cfg.loss, kept_student, kept_teacher, None, cfg.beta, cfg.temperature)
-        total = total + divergence * kept_student.shape[0]
-    if cfg.loss == "ce" or cfg.ce_weight > 0:
-        ce = losses.cross_entropy(student, local.clamp(min=0)) * student.shape[0]
-        total = total + (ce if cfg.loss == "ce" else cfg.ce_weight * ce)
-    return total
+    teacher = None
+    if losses.reads_teacher(cfg) and target_head is not None:  # online: the target's head rows on its state at t + 1
+        teacher = target_head(teacher_in.to(target_head.weight.dtype)).float()
+    elif losses.reads_teacher(cfg):  # offline: the stored top-n
+        teacher = losses.dense_teacher_logits(top_ids, top_logprobs, student.shape[-1], vocab_map)
+    return losses.configured_loss(cfg, student, teacher, local, summed=True)
 
 
 def eagle3_loss(cfg, draft, batch: dict, states: torch.Tensor, target_head, inv_map,
@@ -153,15 +147,12 @@ def evaluate_part(draft, states, chunks, ks: Sequence[int]) -> dict[str, list]:
 
 
 def merge_parts(parts: list[dict[str, list]], ks: Sequence[int]) -> dict[str, Any]:
-    """The held-out figures of every process's `evaluate_part`: alpha, greedy agreement at the first proposal,
-    top-n agreement per round position (what a tree would find) and tau(k)."""
-    ranks = [row for part in parts for row in part["ranks"]]
-    alphas = [a for part in parts for a in part["alphas"]]
+    """The held-out figures (`heldout.heldout_figures`) of every process's `evaluate_part`: greedy agreement at the
+    first proposal of each round, tau(k) from the accepted runs, alpha a lower bound (the stored top-n)."""
+    ranks = pooled(parts, "ranks")
     runs = runs_from_ranks(ranks, [1] * max(ks))
-    flat = [r for row in runs for r in row]
-    return {"alpha": sum(alphas) / len(alphas) if alphas else float("nan"),
-            "agreement": sum(r >= 1 for r in flat) / max(len(flat), 1), "tau": tau_from_runs(runs, ks),
-            "positions": len(flat), "top_n_agreement": top_n_agreement(ranks), "alpha_is_lower_bound": True}
+    return heldout_figures(pooled(parts, "alphas"), [r >= 1 for row in runs for r in row], tau_from_runs(runs, ks),
+                           ranks, alpha_is_lower_bound=True)
 
 
 class Eagle3Training:
@@ -202,13 +193,8 @@ class Eagle3Training:
 
     def evaluate(self, model, chunks, gather) -> dict[str, Any]:
         """Held-out figures over every process's `chunks`, merged through `gather` (accelerate's gather_object)."""
-        inner = getattr(model, "module", model)
-        was_training = inner.training
-        inner.eval()
-        try:
+        with evaluating(getattr(model, "module", model)) as inner:
             part = evaluate_part(inner, self.states, chunks, self.cfg.eval_k)
-        finally:
-            inner.train(was_training)
         return merge_parts(gather([part]), self.cfg.eval_k)
 
 

@@ -12,16 +12,20 @@ The generalized JSD follows TRL's GKD `generalized_jsd_loss` (Agarwal et al. 202
     M = beta * p + (1 - beta) * q,   JSD(beta) = beta * KL(p || M) + (1 - beta) * KL(q || M),
 with beta = 0 defined as forward KL(p || q) and beta = 1 as reverse KL(q || p) (the limits of JSD(beta) / beta
 and JSD(beta) / (1 - beta)). Temperature divides both logits before the softmax (no T^2 factor).
+
+The losses a recipe's `loss` key can name are the table `LOSSES` (name -> `Loss`); `configured_loss` composes a
+config's losses for both trainers (train/plain_train.py, train/eagle3_train.py). A new loss is a function here
+and a row of that table.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-LOSSES = ("fkl", "rkl", "jsd", "tvd", "ce")
 
 
 def _select(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -100,18 +104,82 @@ def cross_entropy(student_logits, targets, mask=None) -> torch.Tensor:
     return _mean(-logq.gather(-1, ids.unsqueeze(-1)).squeeze(-1))
 
 
-def distill_loss(name: str, student_logits, teacher_logits, mask=None, beta: float = 0.5,
-                 temperature: float = 1.0) -> torch.Tensor:
-    """Dispatch a divergence by name: fkl, rkl, jsd, tvd (ce needs targets: use `cross_entropy`)."""
-    if name == "fkl":
-        return forward_kl(student_logits, teacher_logits, mask, temperature)
-    if name == "rkl":
-        return reverse_kl(student_logits, teacher_logits, mask, temperature)
-    if name == "jsd":
-        return generalized_jsd(student_logits, teacher_logits, mask, beta, temperature)
-    if name == "tvd":
-        return total_variation(student_logits, teacher_logits, mask, temperature)
-    raise ValueError(f"unknown divergence {name!r}; use one of fkl, rkl, jsd, tvd (or ce with targets)")
+# ---- the loss table and its composition ----------------------------------------------------------------------
+
+TEACHER = "teacher"  # the loss compares the draft with the teacher's logits over the draft's vocabulary
+TARGETS = "targets"  # the loss scores the target's tokens (in draft ids)
+
+
+@dataclass(frozen=True)
+class Loss:
+    """A loss a config can name: `compute(student_logits [..., V], reference, mask, **options)` -> the mean over
+    the masked positions. `reference` is the teacher's logits [..., V] (reads=TEACHER) or the target's token ids
+    [...] (reads=TARGETS); `options` names the config fields (TrainConfig) it takes by keyword."""
+
+    compute: Callable[..., torch.Tensor]
+    reads: str
+    options: tuple[str, ...] = ()
+
+    def __call__(self, student_logits, reference, mask=None, **options) -> torch.Tensor:
+        # Options it does not declare are left out: one set of settings (a config's) serves every loss.
+        return self.compute(student_logits, reference, mask, **{k: options[k] for k in self.options if k in options})
+
+
+LOSSES: dict[str, Loss] = {
+    "fkl": Loss(forward_kl, TEACHER, ("temperature",)),
+    "rkl": Loss(reverse_kl, TEACHER, ("temperature",)),
+    "jsd": Loss(generalized_jsd, TEACHER, ("beta", "temperature")),
+    "tvd": Loss(total_variation, TEACHER, ("temperature",)),
+    "ce": Loss(cross_entropy, TARGETS),
+}
+
+
+def configured_terms(cfg) -> list[tuple[Loss, float]]:
+    """(loss, weight) of each term a config trains on: `loss` at weight 1, plus `ce_weight` x cross-entropy on the
+    target's tokens when that is not already the loss."""
+    terms = [(LOSSES[cfg.loss], 1.0)]
+    if cfg.loss != "ce" and cfg.ce_weight > 0:
+        terms.append((LOSSES["ce"], cfg.ce_weight))
+    return terms
+
+
+def reads_teacher(cfg) -> bool:
+    """Whether the configured loss needs teacher logits (a ce-only run needs none: no target forward, no top-n)."""
+    return any(loss.reads == TEACHER for loss, _ in configured_terms(cfg))
+
+
+def configured_loss(cfg, student_logits, teacher_logits=None, targets=None, target_mask=None,
+                    summed: bool = False) -> torch.Tensor:
+    """The configured loss over scored positions (rows).  student_logits [N, V]; teacher_logits [N, V] (None when
+    no term reads it, `reads_teacher`); targets [N] draft ids, scored where `target_mask` (None: every row).
+
+    A teacher term skips the rows whose teacher has no mass in the draft's vocabulary (`with_teacher_mass`). Each
+    term is its mean over its rows, or with `summed` that mean times its row count (a caller that divides by
+    positions counted over several chunks and processes), weighted and added."""
+    terms = configured_terms(cfg)
+    options = {name: getattr(cfg, name) for loss, _ in terms for name in loss.options}
+    total = None
+    for loss, weight in terms:
+        if loss.reads == TEACHER:
+            student, teacher = with_teacher_mass(student_logits, teacher_logits)
+            value, rows = loss(student, teacher, None, **options), student.shape[0]
+        else:
+            rows = student_logits.shape[0] if target_mask is None else target_mask.sum()
+            value = loss(student_logits, targets, target_mask, **options)
+        if summed:
+            value = value * rows
+        if weight != 1.0:
+            value = weight * value
+        total = value if total is None else total + value
+    return total
+
+
+def targets_in_draft_ids(labels: torch.Tensor, target_to_draft: torch.Tensor | None,
+                         draft_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's tokens as draft ids (0 where the draft lacks one) and where the draft has them: a reduced
+    head cannot predict the others.  [...] -> ([...] long, [...] bool)"""
+    local = labels if target_to_draft is None else target_to_draft[labels]
+    return local.clamp(min=0), (local >= 0) & (local < draft_vocab)
 
 
 # ---- teacher signal in the draft's vocabulary ------------------------------------------------------------
@@ -138,6 +206,13 @@ def target_to_draft_map(draft_to_target: torch.Tensor | None, target_vocab: int)
     return inv
 
 
+def with_teacher_mass(student: torch.Tensor, teacher: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop the rows whose teacher has no id in the draft's vocabulary (a reduced head missing all of the
+    stored top-n): their renormalised teacher is undefined and would make the loss nan.  [N, V] x2"""
+    keep = torch.isfinite(teacher).any(dim=-1)
+    return student[keep], teacher[keep]
+
+
 def dense_teacher_logits(top_ids: torch.Tensor, top_logprobs: torch.Tensor, vocab: int,
                          target_to_draft: torch.Tensor | None = None) -> torch.Tensor:
     """Stored top-n teacher log-probs as dense logits over the draft's vocabulary.  [..., n] -> [..., vocab]
@@ -158,13 +233,6 @@ def dense_teacher_logits(top_ids: torch.Tensor, top_logprobs: torch.Tensor, voca
 
 
 # ---- acceptance metrics (never renormalised) -------------------------------------------------------------
-
-
-def with_teacher_mass(student: torch.Tensor, teacher: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Drop the rows whose teacher has no id in the draft's vocabulary (a reduced head missing all of the
-    stored top-n): their renormalised teacher is undefined and would make the loss nan.  [N, V] x2"""
-    keep = torch.isfinite(teacher).any(dim=-1)
-    return student[keep], teacher[keep]
 
 
 def _draft_probs_in_target_space(draft_logits: torch.Tensor, draft_to_target: torch.Tensor | None,

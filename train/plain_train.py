@@ -2,8 +2,8 @@
 
 The teacher signal is online (the target's logits at the completion positions), offline (the stored top-n
 log-probs) or on-policy (with probability lambda the draft samples a short continuation and the target scores
-it); the loss is the configured divergence over completion tokens (train/losses.py). Held-out figures replay the
-draft teacher-forced on the target's outputs (specdec/replay.py).
+it); the loss is the configured one over completion tokens (train/losses.py's table, composed there). Held-out
+figures replay the draft teacher-forced on the target's outputs (specdec/replay.py).
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from transformers import DynamicCache
 from specdec.compat import check_compatible
 from specdec.kv import cache_kwarg
 from specdec.models import load_tokenizer
-from specdec.replay import simulated_tau, top_n_agreement, true_token_ranks
+from specdec.replay import simulated_tau, true_token_ranks
 from specdec.tokens import tokenizer_pad_id
 from specdec.train import draft as draft_lib
 from specdec.train import losses
+from specdec.train.heldout import evaluating, heldout_figures, pooled
 from specdec.vocab import draft_to_target_map
 
 log = logging.getLogger(__name__)
@@ -103,22 +104,13 @@ def teacher_logits(target, batch: dict, student_vocab: int, id_map, inv_map) -> 
 
 
 def compute_loss(cfg, student_logits, teacher, batch: dict, inv_map) -> torch.Tensor:
-    """The configured divergence (+ ce_weight x cross-entropy) over completion positions."""
+    """The configured loss (`losses.configured_loss`), the mean over completion positions.  teacher [N, V] or None"""
     mask = batch["loss_mask"].bool()
     student = student_logits[mask]  # [N, V_draft]
     width = min(student.shape[-1], teacher.shape[-1]) if teacher is not None else student.shape[-1]
-    student = student[:, :width]
-    total = None
-    if cfg.loss != "ce":
-        total = losses.distill_loss(cfg.loss, *losses.with_teacher_mass(student, teacher[:, :width]), None, cfg.beta,
-                                    cfg.temperature)
-    if cfg.loss == "ce" or cfg.ce_weight > 0:
-        labels = batch["labels"][mask]
-        labels = labels if inv_map is None else inv_map[labels]
-        valid = (labels >= 0) & (labels < width)  # a reduced head cannot predict ids it lacks
-        ce = losses.cross_entropy(student, labels.clamp(min=0), valid)
-        total = ce if total is None else total + cfg.ce_weight * ce
-    return total
+    targets, inside = losses.targets_in_draft_ids(batch["labels"][mask], inv_map, width)
+    return losses.configured_loss(cfg, student[:, :width], teacher[:, :width] if teacher is not None else None,
+                                  targets, inside)
 
 
 # ---- held-out metrics ------------------------------------------------------------------------------------
@@ -127,9 +119,8 @@ def compute_loss(cfg, student_logits, teacher, batch: dict, inv_map) -> torch.Te
 @torch.no_grad()
 def evaluate_part(model, target, chunks, id_map) -> dict[str, list]:
     """This process's share of the held-out figures, per position: alpha, greedy agreement and the rank of the
-    target's token among the draft's (teacher-forced). `chunks` yields (rows, collated batch)."""
-    was_training = model.training
-    model.eval()
+    target's token among the draft's (teacher-forced). `chunks` yields (rows, collated batch); the caller puts
+    `model` in eval mode (`heldout.evaluating`)."""
     alphas, agreements, ranks = [], [], []
     for _rows, batch in chunks:
         mask = batch["loss_mask"].bool()
@@ -153,21 +144,15 @@ def evaluate_part(model, target, chunks, id_map) -> dict[str, list]:
         # A plain draft's later proposals are teacher-forced too: one rank per position serves every depth.
         rank = true_token_ranks(student, target_top.to(student.device), id_map)
         ranks += [[[r] for r in row.tolist()] for row in rank.cpu().split(counts)]
-    if was_training:
-        model.train()
     return {"alphas": alphas, "agreements": agreements, "ranks": ranks}
 
 
 def merge_parts(parts: list[dict[str, list]], ks, alpha_is_lower_bound: bool) -> dict[str, Any]:
-    """alpha, greedy agreement, top-n agreement (what a tree would find) and simulated tau(k) of every process's
-    `evaluate_part`."""
-    alphas = [a for part in parts for a in part["alphas"]]
-    agreements = [row for part in parts for row in part["agreements"]]
-    ranks = [row for part in parts for row in part["ranks"]]
-    flat = [x for a in agreements for x in a]
-    return {"alpha": sum(alphas) / len(alphas) if alphas else float("nan"),
-            "agreement": sum(flat) / max(len(flat), 1), "tau": simulated_tau(agreements, ks), "positions": len(flat),
-            "top_n_agreement": top_n_agreement(ranks), "alpha_is_lower_bound": alpha_is_lower_bound}
+    """The held-out figures (`heldout.heldout_figures`) of every process's `evaluate_part`; tau(k) simulated from
+    the greedy agreements."""
+    agreements = pooled(parts, "agreements")
+    return heldout_figures(pooled(parts, "alphas"), [x for row in agreements for x in row],
+                           simulated_tau(agreements, ks), pooled(parts, "ranks"), alpha_is_lower_bound)
 
 
 class PlainTraining:
@@ -211,10 +196,11 @@ class PlainTraining:
                                     self.id_map, self.pad_id, self.eos_id, gen)
         student = _forward(model, batch)
         teacher = (teacher_logits(self.target, batch, self.student_vocab, self.id_map, self.inv_map)
-                   if cfg.loss != "ce" else None)
+                   if losses.reads_teacher(cfg) else None)
         return compute_loss(cfg, student, teacher, batch, self.inv_map)
 
     def evaluate(self, model, chunks, gather) -> dict[str, Any]:
         """Held-out figures over every process's `chunks`, merged through `gather` (accelerate's gather_object)."""
-        part = evaluate_part(model, self.target, chunks, self.id_map)
+        with evaluating(model):
+            part = evaluate_part(model, self.target, chunks, self.id_map)
         return merge_parts(gather([part]), self.cfg.eval_k, alpha_is_lower_bound=self.target is None)
