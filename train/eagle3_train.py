@@ -64,6 +64,11 @@ def step_weights(steps: int, decay: float) -> list[float]:
 LOSS_CHUNK_VALUES = 1 << 24
 
 
+def loss_chunk_rows(draft_vocab_size: int) -> int:
+    """Scored positions per chunk of the loss (and of the held-out alpha): LOSS_CHUNK_VALUES logits each."""
+    return max(1, LOSS_CHUNK_VALUES // draft_vocab_size)
+
+
 def scored_positions(cfg, batch: dict, inv_map, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per unrolled step j, the [B, S - 1] mask of positions its loss scores, and the target's tokens there in
     draft ids. Step j at t belongs to the round starting at t - (j - 1) >= 0; EAGLE-3's position mask keeps the
@@ -107,7 +112,7 @@ def eagle3_loss(cfg, draft, batch: dict, states: torch.Tensor, target_head, inv_
         denominators = masks.flatten(1).sum(1).clamp(min=1)
     # Every parameter in the graph, even where nothing is scored: DDP's reducer expects a gradient for each.
     total = sum(out.sum() for out in outs) * 0.0 + inner.logits(outs[-1][:, :1]).sum() * 0.0
-    chunk = max(1, LOSS_CHUNK_VALUES // inner.config.draft_vocab_size)
+    chunk = loss_chunk_rows(inner.config.draft_vocab_size)
     for out, mask, weight, denominator in zip(outs, masks, step_weights(cfg.ttt_steps, cfg.ttt_decay), denominators):
         picked = [out[mask], states[:, 1:, :hidden][mask] if target_head is not None else None,
                   batch["top_ids"][:, 1:][mask] if target_head is None and "top_ids" in batch else None,
@@ -138,7 +143,7 @@ def evaluate_part(draft, states, chunks, ks: Sequence[int]) -> dict[str, list]:
             first = draft.unrolled(batch["input_ids"], full, batch["attention_mask"], 1)[0]
             mask = batch["loss_mask"][:, 1:].bool()
             prenorm, top_ids, top_lp = first[mask], batch["top_ids"][:, 1:][mask], batch["top_logprobs"][:, 1:][mask]
-            chunk = max(1, LOSS_CHUNK_VALUES // draft.config.draft_vocab_size)  # [chunk, vocabulary] at a time
+            chunk = loss_chunk_rows(draft.config.draft_vocab_size)  # [chunk, vocabulary] at a time
             for s in range(0, len(prenorm), chunk):
                 alphas += losses.acceptance_alpha_topn(draft.logits(prenorm[s:s + chunk]).float(),
                                                        top_ids[s:s + chunk], top_lp[s:s + chunk], None,

@@ -168,7 +168,7 @@ def configured_loss(cfg, student_logits, teacher_logits=None, targets=None, targ
             value = loss(student_logits, targets, target_mask, **options)
         if summed:
             value = value * rows
-        if weight != 1.0:
+        if weight != 1.0:  # the configured `loss` itself is the bare term
             value = weight * value
         total = value if total is None else total + value
     return total
