@@ -28,7 +28,7 @@ from specdec.train.data import (
 )
 from specdec.train.data.config import fingerprinted_settings
 from specdec.train.data.processes import Processes
-from specdec.train.data.prompt_templates import (
+from specdec.train.prompt_templates import (
     EMBEDDED_HELDOUT_PROMPTS,
     EMBEDDED_TRAIN_PROMPTS,
     build_prompt_sets,

@@ -222,7 +222,7 @@ def test_vllm_float32_greedy_equals_the_transformers_backend(vllm_python, tmp_pa
     """The embedded SmolLM2 target, float32, greedy: vLLM's completions equal the transformers backend's token for
     token, with the same top log-probs (to float32 rounding) and the same features (to bf16 rounding)."""
     from specdec.models import EMBEDDED_TARGET, embedded_checkpoint
-    from specdec.train.data.prompt_templates import EMBEDDED_HELDOUT_PROMPTS
+    from specdec.train.prompt_templates import EMBEDDED_HELDOUT_PROMPTS
 
     embedded_checkpoint()
     records = [json.loads(line) for line in EMBEDDED_HELDOUT_PROMPTS.read_text().splitlines()[:4]]

@@ -6,7 +6,8 @@
     specdec data prompts=sharegpt.jsonl responses=dataset record_features=true eagle_aux_layer_ids=[2,15,27]
 
 Prompts come from a local .jsonl/.json/.parquet/.csv file, a Hub dataset name, the embedded prompt set
-(`embedded:train`, `embedded:heldout`: train/assets, rendered by prompt_templates.py), or `self:N`: N requests the target writes itself (train/self_prompts.py).
+(`embedded:train`, `embedded:heldout`: train/assets, rendered by train/prompt_templates.py), or `self:N`: N
+requests the target writes itself (train/self_prompts.py).
 Every row goes through `specdec.prompts.normalise_record`. With responses=dataset nothing is generated: each
 assistant answer of a conversation (`messages`, ShareGPT `conversations`) becomes a row of the dataset's own tokens.
 
@@ -42,7 +43,6 @@ The package, one job a module (backend.py declares the interface every backend i
 
     config.py                DataConfig, and the settings a folder's fingerprint covers
     sources.py               prompt sources -> Prompt objects
-    prompt_templates.py      the embedded prompt set, rendered from train/assets/prompt_templates.json
     planning.py              the work list (prompt x sample items) and its fingerprint
     backend.py               Backend / GenerationBackend, Completion, the turn-by-turn loop of a shard
     backend_transformers.py  backend=transformers

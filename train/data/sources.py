@@ -10,7 +10,7 @@ from specdec.prompts import Prompt, normalise_record, read_prompts
 from specdec.train import self_prompts
 from specdec.train.data.config import DataConfig
 from specdec.train.data.processes import Processes
-from specdec.train.data.prompt_templates import EMBEDDED_HELDOUT_PROMPTS, EMBEDDED_TRAIN_PROMPTS
+from specdec.train.prompt_templates import EMBEDDED_HELDOUT_PROMPTS, EMBEDDED_TRAIN_PROMPTS
 
 EMBEDDED_PROMPT_SETS = ("embedded:train", "embedded:heldout")
 _LOCAL_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}

@@ -1,8 +1,8 @@
 """The embedded prompt set: varied instruction prompts written for this project, rendered from the templates and
 topic lists in train/assets/prompt_templates.json.
 
-    python -m specdec.train.data.prompt_templates          # regenerate train/assets/prompts_{train,heldout}.jsonl
-    python -m specdec.train.data.prompt_templates --check  # exit 1 when the shipped files differ from the render
+    python -m specdec.train.prompt_templates          # regenerate train/assets/prompts_{train,heldout}.jsonl
+    python -m specdec.train.prompt_templates --check  # exit 1 when the shipped files differ from the render
 
 Thirteen kinds of task. Every kind's topics are split once (seeded) into train topics and held-out topics, so the
 held-out prompts are about things the train prompts never mention, not merely rewordings of them. Records:
@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-ASSETS = Path(__file__).resolve().parents[1] / "assets"
+ASSETS = Path(__file__).resolve().parent / "assets"
 TEMPLATES = ASSETS / "prompt_templates.json"
 EMBEDDED_TRAIN_PROMPTS = ASSETS / "prompts_train.jsonl"
 EMBEDDED_HELDOUT_PROMPTS = ASSETS / "prompts_heldout.jsonl"
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--check" in argv:
         stale = [str(p) for p, text in files.items() if not p.is_file() or p.read_text(encoding="utf-8") != text]
         if stale:
-            print(f"out of date: {', '.join(stale)}; run python -m specdec.train.data.prompt_templates",
+            print(f"out of date: {', '.join(stale)}; run python -m specdec.train.prompt_templates",
                   file=sys.stderr)
             return 1
         print("embedded prompt files are up to date")
