@@ -108,6 +108,7 @@ class VLLMBackend(GenerationBackend):
         as each completion's are taken (`Completion.take_features`), so that a request of a whole shard holds at
         most one prefill batch of them (or, extracted, one row's) in memory."""
         cfg, seed = self.cfg, generator.initial_seed()
+        seed = seed - (1 << 64) if seed >= 1 << 63 else seed  # torch keeps a negative seed as its unsigned 64 bits
         request = {"prompts": prompts, "seeds": [seed * 1_000_003 + i for i in range(len(prompts))],
                    "temperature": cfg.temperature, "top_k": cfg.top_k, "top_p": cfg.top_p,
                    "max_tokens": cfg.max_new_tokens, "top_logprobs": cfg.top_logprobs, "stop_token_ids": self.eos,
