@@ -36,7 +36,7 @@ import torch
 from specdec.models import EMBEDDED_TARGET, load_model, load_tokenizer, resolve_dtype
 from specdec.prompts import encode_prompt, read_prompts
 from specdec.train.data import DataConfig, load_generated, run
-from specdec.train.prompt_set import EMBEDDED_TRAIN_PROMPTS
+from specdec.train.prompt_templates import EMBEDDED_TRAIN_PROMPTS
 
 
 def pick_prompts(n: int) -> list[dict]:

@@ -1,4 +1,4 @@
-"""specdec.train.data (target-generated data, resumable) and specdec.train.prompt_set (the embedded prompt set)."""
+"""specdec.train.data (target-generated data, resumable) and its embedded prompt set (prompt_templates)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,22 @@ from specdec.decode import target_generate
 from specdec.eagle3 import HiddenStateRecorder
 from specdec.prompts import encode_prompt, read_prompts
 from specdec.train import data as gen
-from specdec.train.data import DataConfig, conversation, load_generated, plan_items, run
-from specdec.train.prompt_set import EMBEDDED_HELDOUT_PROMPTS, EMBEDDED_TRAIN_PROMPTS, build_prompt_sets
+from specdec.train.data import (
+    DataConfig,
+    conversation,
+    load_generated,
+    plan_items,
+    run,
+    run_loop,
+    vllm_client,
+)
+from specdec.train.data.config import fingerprinted_settings
+from specdec.train.data.processes import Processes
+from specdec.train.prompt_templates import (
+    EMBEDDED_HELDOUT_PROMPTS,
+    EMBEDDED_TRAIN_PROMPTS,
+    build_prompt_sets,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 from conftest import SPEC_BENCH, needs_spec_bench  # noqa: E402
@@ -304,13 +318,13 @@ def test_vllm_states_way_and_cpu_shares(monkeypatch):
     assert gen.states_mode(DataConfig(vllm_states="prefill", **record), cuda) == "prefill"
     with pytest.raises(ValueError, match="vllm_states=prefill"):
         gen.states_mode(DataConfig(temperature=1.0, vllm_states="extract", **record), cpu)
-    monkeypatch.setattr(gen.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4}, raising=False)
-    assert [gen._cpu_share(i, 2, None) for i in (0, 1)] == [[0, 1], [2, 3, 4]]
-    assert [gen._cpu_share(i, 3, "auto") for i in (0, 1, 2)] == [[0], [1, 2], [3, 4]]
-    assert gen._cpu_share(1, 2, "0-3,8|4-7,9") == [4, 5, 6, 7, 9]
-    assert gen._cpu_share(6, 7, None) == [1]  # more processes than cores: they share them round the cores
-    args, env = gen._engine_settings(DataConfig(**record), cpu, "float32", False, gen._Processes(1, 2, False),
-                                     Path("states"), [1, 2])
+    monkeypatch.setattr(vllm_client.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4}, raising=False)
+    assert [vllm_client.cpu_share(i, 2, None) for i in (0, 1)] == [[0, 1], [2, 3, 4]]
+    assert [vllm_client.cpu_share(i, 3, "auto") for i in (0, 1, 2)] == [[0], [1, 2], [3, 4]]
+    assert vllm_client.cpu_share(1, 2, "0-3,8|4-7,9") == [4, 5, 6, 7, 9]
+    assert vllm_client.cpu_share(6, 7, None) == [1]  # more processes than cores: they share them round the cores
+    args, env = vllm_client.engine_settings(DataConfig(**record), cpu, "float32", False, Processes(1, 2, False),
+                                             Path("states"), [1, 2])
     assert env["SPECDEC_VLLM_CPUS"] == env["VLLM_CPU_OMP_THREADS_BIND"] == "2,3,4" and env["OMP_NUM_THREADS"] == "3"
     assert args["speculative_config"]["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2]
     assert args["kv_transfer_config"]["kv_connector_extra_config"]["shared_storage_path"] == "states"
@@ -319,9 +333,9 @@ def test_vllm_states_way_and_cpu_shares(monkeypatch):
 
 def test_settings_added_later_keep_old_folders_resumable():
     """A setting added later, at its default, is left out of the fingerprint (and vllm_states never counts)."""
-    settings = gen._settings(DataConfig())
+    settings = fingerprinted_settings(DataConfig())
     assert "responses" not in settings and "vllm_states" not in settings
-    assert gen._settings(DataConfig(responses="dataset"))["responses"] == "dataset"
+    assert fingerprinted_settings(DataConfig(responses="dataset"))["responses"] == "dataset"
 
 
 def test_sampling_is_seeded_and_samples_differ(tiny_target, tmp_path):
@@ -361,12 +375,12 @@ def test_max_minutes_stops_between_shards_and_a_rerun_finishes(tiny_target, tmp_
     run(_cfg(tiny_target, prompts, tmp_path / "whole"))
     out = tmp_path / "out"
     # Each shard takes over a second (the pause): after the first, another would end past 1.5 s.
-    monkeypatch.setenv(gen._PAUSE_ENV, "1.0")
+    monkeypatch.setenv(run_loop.PAUSE_ENV, "1.0")
     first = run(_cfg(tiny_target, prompts, out, max_minutes=1.5 / 60))
     assert not first["complete"] and len(first["shards"]) == 1 < first["num_shards"]
     assert load_generated(out).num_rows == first["shards"][0]["examples"]
     assert len(run(_cfg(tiny_target, prompts, out, max_minutes=1e-6))["shards"]) == 2  # a run always adds one
-    monkeypatch.delenv(gen._PAUSE_ENV)
+    monkeypatch.delenv(run_loop.PAUSE_ENV)
     again = run(_cfg(tiny_target, prompts, out))  # max_minutes may change between runs
     assert again["complete"] and _rows(out) == _rows(tmp_path / "whole")
 
@@ -376,7 +390,7 @@ def test_killed_subprocess_resumes_exactly_once(tiny_target, tmp_path):
     out, ref = tmp_path / "out", tmp_path / "ref"
     args = [f"target={tiny_target}", f"prompts={prompts}", f"output_dir={out}", "max_new_tokens=6", "batch_size=2",
             "shard_size=2", "dtype=float64", "device=cpu", "spec_bench_turns=all", "top_logprobs=2"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", **{gen._PAUSE_ENV: "0.5"})
+    env = dict(os.environ, OMP_NUM_THREADS="1", **{run_loop.PAUSE_ENV: "0.5"})
     kill_data_run_after(args, env, out, shards=2, timeout=120, poll=0.05)
     partial = json.loads((out / "manifest.json").read_text())
     assert not partial["complete"] and 2 <= len(partial["shards"]) < partial["num_shards"] == 8
@@ -394,14 +408,14 @@ def test_processes_take_disjoint_shards(tiny_target, tmp_path, monkeypatch):
     out = tmp_path / "out"
     cfg = _cfg(tiny_target, prompts, out, shard_size=2)
     written = []
-    real_write = gen.write_shard
-    monkeypatch.setattr(gen, "write_shard", lambda rows, path, top: (written.append(path.name), real_write(rows, path, top)))
+    real_write = run_loop.write_shard
+    monkeypatch.setattr(run_loop, "write_shard", lambda rows, path, top: (written.append(path.name), real_write(rows, path, top)))
     for index in (0, 1):
-        monkeypatch.setattr(gen, "_processes", lambda cfg, i=index: gen._Processes(i, 2, i == 0))
-        monkeypatch.setattr(gen._Processes, "barrier", lambda self: None)
+        monkeypatch.setattr(run_loop, "processes", lambda cfg, i=index: Processes(i, 2, i == 0))
+        monkeypatch.setattr(Processes, "barrier", lambda self: None)
         run(cfg)
     assert written == [f"shard-{i:05d}.parquet" for i in (0, 2, 4, 6, 1, 3, 5)]
-    monkeypatch.setattr(gen, "_processes", lambda cfg: gen._Processes())
+    monkeypatch.setattr(run_loop, "processes", lambda cfg: Processes())
     assert run(cfg)["complete"] and len(written) == 7  # nothing left to do; the main process marks it complete
 
 

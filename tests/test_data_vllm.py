@@ -25,7 +25,8 @@ from conftest import kill_data_run_after, tiny_llama, tiny_tokenizer
 from test_data import full_features
 
 from specdec.train import data as gen
-from specdec.train.data import DataConfig, load_generated, run
+from specdec.train.data import DataConfig, load_generated, run, run_loop
+from specdec.train.data.backend_vllm import VLLM_LOG
 
 pytestmark = pytest.mark.vllm
 REPO = Path(__file__).resolve().parents[1]
@@ -99,9 +100,9 @@ def test_killed_vllm_run_resumes_to_the_uninterrupted_result(reference, tiny_vll
     out = tmp_path / "out"
     args = [f"{k}={json.dumps(v) if isinstance(v, (list, dict)) else v}" for k, v in _settings().items()]
     args += [f"target={tiny_vllm_target}", f"prompts={prompts}", f"output_dir={out}", "vllm_args={enforce_eager: true}"]
-    env = dict(os.environ, **{gen._PAUSE_ENV: "3"})
+    env = dict(os.environ, **{run_loop.PAUSE_ENV: "3"})
     kill_data_run_after(args, env, out, shards=1, timeout=300, poll=0.1)
-    pid = int(re.search(r"specdec vllm worker pid (\d+)", (out / gen._VLLM_LOG).read_text()).group(1))
+    pid = int(re.search(r"specdec vllm worker pid (\d+)", (out / VLLM_LOG).read_text()).group(1))
     deadline = time.time() + 20
     while time.time() < deadline and Path(f"/proc/{pid}").exists() and "Z" not in _state(pid):
         time.sleep(0.1)
@@ -212,7 +213,7 @@ def test_vllm_start_failure_shows_vllms_own_message(vllm_python, tiny_vllm_targe
     message = str(err.value)
     assert "backend=transformers" in message and "the end of vLLM's log" in message
     assert re.search(r"(?i)weights", message), message[-2000:]  # vLLM names what is missing
-    pid = int(re.search(r"specdec vllm worker pid (\d+)", (tmp_path / "out" / gen._VLLM_LOG).read_text()).group(1))
+    pid = int(re.search(r"specdec vllm worker pid (\d+)", (tmp_path / "out" / VLLM_LOG).read_text()).group(1))
     assert not Path(f"/proc/{pid}").exists() or _state(pid) == "Z"
 
 
@@ -221,7 +222,7 @@ def test_vllm_float32_greedy_equals_the_transformers_backend(vllm_python, tmp_pa
     """The embedded SmolLM2 target, float32, greedy: vLLM's completions equal the transformers backend's token for
     token, with the same top log-probs (to float32 rounding) and the same features (to bf16 rounding)."""
     from specdec.models import EMBEDDED_TARGET, embedded_checkpoint
-    from specdec.train.prompt_set import EMBEDDED_HELDOUT_PROMPTS
+    from specdec.train.prompt_templates import EMBEDDED_HELDOUT_PROMPTS
 
     embedded_checkpoint()
     records = [json.loads(line) for line in EMBEDDED_HELDOUT_PROMPTS.read_text().splitlines()[:4]]

@@ -3,9 +3,9 @@
     <vLLM's python> train/vllm_worker.py '{"model": "/path/to/target", "dtype": "float32", "seed": 0}'
 
 Standalone on purpose (stdlib + vllm only): vLLM pins its own torch and transformers, so specdec reaches it across
-a process boundary (specdec/vllm_env.py). `VLLMBackend` in train/data.py starts it once per `specdec data` run and
-speaks JSON lines with it; the argument holds `vllm.LLM`'s keyword arguments. stdout carries the protocol only
-(vLLM's logs and prints go to stderr):
+a process boundary (specdec/vllm_env.py). `VLLMBackend` (train/data/backend_vllm.py) starts it once per `specdec data`
+run and speaks JSON lines with it (train/data/vllm_client.py); the argument holds `vllm.LLM`'s keyword arguments.
+stdout carries the protocol only (vLLM's logs and prints go to stderr):
 
     worker -> {"ready": true, "vllm": "0.32.0"}                     once the engine is up
     parent -> {"prompts": [[ids]], "seeds": [int], "temperature": t, "top_k": k, "top_p": p, "max_tokens": n,

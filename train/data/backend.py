@@ -1,0 +1,151 @@
+"""The backend interface: what the run loop needs of whatever makes a shard's rows, and the generation backends'
+shared turn-by-turn loop.
+
+    Backend              shard_rows(items, ...) -> (rows, counts); states_seconds; close()
+      GenerationBackend  the target writes the answers: generator(seed), generate(prompts, generator) -> [Completion]
+        TransformersBackend (backend_transformers.py), VLLMBackend (backend_vllm.py)
+      DatasetBackend     responses=dataset: the conversations' own answers (backend_dataset.py)
+
+A backend is chosen once per run (run_loop.make_backend); the run loop and the turn loop call only these methods.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AutoConfig, GenerationConfig
+
+from specdec.prompts import encode_prompt
+from specdec.train.data.config import DataConfig
+from specdec.train.data.features import FeatureSpool, keep_features
+from specdec.train.data.planning import Item
+
+
+@dataclass
+class Completion:
+    tokens: list[int]
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+    # record_features: [prompt + len(tokens) - 1, W] bf16, the positions fed to the target; or a function that
+    # loads them (a backend that holds a whole request's completions computes them as they are taken)
+    features: Any = None
+
+    def take_features(self) -> torch.Tensor:
+        """The features, handed over: this completion holds them no longer."""
+        features, self.features = self.features, None
+        return features() if callable(features) else features
+
+
+class Backend(ABC):
+    """What the run loop needs of a backend: the rows of a shard's items (and their counts), and closing."""
+
+    cfg: DataConfig
+
+    @property
+    def states_seconds(self) -> float | None:
+        """Seconds so far of a prefill that computes the states apart from the answers (a share of the shards'
+        seconds, for the manifest); None where the states, if any, come with the answers."""
+        return None
+
+    @abstractmethod
+    def shard_rows(self, items: list[Item], tokenizer, seed: int, context_limit: int | None, progress=None,
+                   features: FeatureSpool | None = None) -> tuple[list[dict], dict]:
+        """The shard's rows in a deterministic order, and its counts (examples, generated_tokens, dropped_turns).
+        With record_features each row's features go to `features` as they are made (kept on the rows without)."""
+
+    def close(self) -> None:
+        """Release what the backend holds beyond memory (an engine process, temporary files): here, nothing."""
+        return
+
+
+class GenerationBackend(Backend):
+    """A backend where the target writes each answer: `generate_shard` feeds it a shard's turns."""
+
+    eos: list[int]
+    # Prompts per generate() call; None: all of a turn's prompts in one call (an engine that batches them itself).
+    prompts_per_call: int | None
+
+    def generator(self, seed: int) -> torch.Generator:
+        """The shard's random stream, seeded by (seed, shard); passed to each of its generate() calls."""
+        return torch.Generator().manual_seed(seed)
+
+    @abstractmethod
+    def generate(self, prompts: list[list[int]], generator: torch.Generator) -> list[Completion]:
+        """Completions of prompts (token lists of any lengths), in their order."""
+
+    def shard_rows(self, items: list[Item], tokenizer, seed: int, context_limit: int | None, progress=None,
+                   features: FeatureSpool | None = None) -> tuple[list[dict], dict]:
+        return generate_shard(items, self, tokenizer, self.cfg, seed, context_limit, progress, features)
+
+
+def _turn_prompts(items: list[Item], histories: list[list[dict]], active: list[int], turn: int, tokenizer,
+                  cfg: DataConfig, context_limit: int | None, counts: dict) -> dict[int, list[int]]:
+    """The encoded prompt of each active item's next turn; a conversation that outgrew the context is dropped."""
+    prompts: dict[int, list[int]] = {}
+    for i in active:
+        histories[i].append({"role": "user", "content": items[i].user_turns[turn]})
+        ids = encode_prompt(tokenizer, histories[i], cfg.use_chat_template)
+        if turn > 0 and context_limit is not None and len(ids) + cfg.max_new_tokens > context_limit:
+            counts["dropped_turns"] += len(items[i].user_turns) - turn
+            continue  # its later turns are dropped
+        prompts[i] = ids
+    return prompts
+
+
+def _completion_row(item: Item, turn: int, prompt: list[int], comp: Completion, cfg: DataConfig,
+                    features: FeatureSpool | None) -> dict:
+    row = {"prompt_id": item.prompt.prompt_id, "category": item.prompt.category or "",
+           "sample_index": item.sample_index, "turn": turn, "input_ids": prompt + comp.tokens,
+           "prompt_length": len(prompt)}
+    if cfg.top_logprobs:
+        row["top_ids"], row["top_logprobs"] = comp.top_ids, comp.top_logprobs
+    if cfg.record_features:  # beside the shard, not in it
+        keep_features(row, comp.take_features(), features)
+    return row
+
+
+def generate_shard(items: list[Item], backend: GenerationBackend, tokenizer, cfg: DataConfig, seed: int,
+                   context_limit: int | None, progress=None,
+                   features: FeatureSpool | None = None) -> tuple[list[dict], dict]:
+    """Rows for a shard's items, turn by turn (each turn sees the target's own earlier answers); and counts.
+    With record_features each row's features go to `features` as its batch is done (kept on the rows without)."""
+    generator = backend.generator(seed)
+    histories = [list(it.history) for it in items]
+    active = list(range(len(items)))
+    rows: list[dict] = []
+    counts = {"examples": 0, "generated_tokens": 0, "dropped_turns": 0}
+    turn = 0
+    while active:
+        prompts = _turn_prompts(items, histories, active, turn, tokenizer, cfg, context_limit, counts)
+        order = sorted(prompts, key=lambda i: -len(prompts[i])) if cfg.sort_by_length else list(prompts)
+        step = backend.prompts_per_call or max(len(order), 1)
+        for start in range(0, len(order), step):
+            chunk = order[start: start + step]
+            for i, comp in zip(chunk, backend.generate([prompts[i] for i in chunk], generator)):
+                rows.append(_completion_row(items[i], turn, prompts[i], comp, cfg, features))
+                counts["examples"] += 1
+                counts["generated_tokens"] += len(comp.tokens)
+                text = tokenizer.decode(comp.tokens, skip_special_tokens=True)
+                histories[i].append({"role": "assistant", "content": text})
+                if progress is not None:
+                    progress(1, len(comp.tokens))
+        turn += 1
+        active = [i for i in prompts if turn < len(items[i].user_turns)]
+    # Deterministic row order inside a shard, whatever the batching was.
+    order_of = {id(it): n for n, it in enumerate(items)}
+    key = {(it.prompt.prompt_id, it.sample_index): order_of[id(it)] for it in items}
+    rows.sort(key=lambda r: (key[(r["prompt_id"], r["sample_index"])], r["turn"]))
+    return rows, counts
+
+
+class CheckpointGenerationConfig:
+    """Stands in for a model in eos_ids: the checkpoint's generation config, read without loading its weights."""
+
+    def __init__(self, path: str):
+        try:
+            self.generation_config = GenerationConfig.from_pretrained(path)
+        except OSError:  # no generation_config.json: transformers derives one from config.json, as here
+            self.generation_config = GenerationConfig.from_model_config(AutoConfig.from_pretrained(path))

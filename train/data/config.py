@@ -1,0 +1,126 @@
+"""`specdec data` settings (DataConfig) and which of them a data folder's fingerprint covers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from specdec.config import to_dict
+from specdec.models import EMBEDDED_TARGET, resolve_dtype
+from specdec.sampling import SamplingConfig
+from specdec.train.budget import check_minutes
+
+BACKENDS = ("transformers", "vllm", "auto")
+RESPONSES = ("target", "dataset")
+VLLM_STATES = ("auto", "extract", "prefill")
+VLLM_DTYPES = ("float32", "bfloat16", "float16")  # vLLM has no float64
+# Settings that do not change what is generated; a resumed run may change them.
+_RESUMABLE_KEYS = ("batch_size", "device", "output_dir", "overwrite", "max_minutes", "vllm_python", "vllm_states")
+# Settings added later, left out of the fingerprint at their defaults: folders made before they existed still resume.
+_LATER_DEFAULTS = {"responses": "target"}
+
+
+@dataclass
+class DataConfig:
+    """`specdec data` settings (recipe section `data:` plus the shared keys)."""
+
+    target: str = EMBEDDED_TARGET
+    prompts: str = "embedded:train"  # local file, Hub dataset name, embedded:train / embedded:heldout, or self:N
+    split: str = "train"  # Hub datasets only
+    column_map: dict[str, str] | None = None  # rename a data set's columns, e.g. {instruction: prompt}
+    spec_bench_turns: str = "all"  # multi-turn prompts: "all" turns (each after the target's own answers) or "first"
+    use_chat_template: bool = True
+    max_prompt_tokens: int = 1024
+    too_long: str = "skip"  # "skip" (counted in the manifest) or "error"
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0
+    top_p: float = 1.0
+    num_samples: int = 1  # completions per prompt
+    # "target": the target answers each user turn (generation); "dataset": keep the conversations' own assistant
+    # answers (`messages` or ShareGPT `conversations` with assistant turns), one row per answer, nothing generated;
+    # record_features / top_logprobs then come from one prefill of each row
+    responses: str = "target"
+    seed: int = 0
+    max_new_tokens: int = 256
+    batch_size: int = 16
+    sort_by_length: bool = True  # batches of similar lengths inside each shard (less padding)
+    # Deal the work list to shards in a seeded random order (the longest item first), so that any run of
+    # finished shards is a uniform sample of the prompt set: a run stopped by max_minutes keeps every source and
+    # length in proportion. false = the prompt files' order.
+    shuffle: bool = True
+    shard_size: int = 256  # prompt x sample items per shard
+    top_logprobs: int = 0  # 0 = off, else keep the target's n most likely tokens at each completion position
+    # "vllm": vLLM's offline engine in its own environment (`make vllm-env`), batch_size sequences at a time;
+    # "auto": vllm where that environment exists, else transformers
+    backend: str = "transformers"
+    vllm_python: str | None = None  # vLLM's Python; default $SPECDEC_VLLM_PYTHON, then .venv-vllm/bin/python
+    vllm_args: dict[str, Any] | None = None  # more keyword arguments of vllm.LLM, e.g. {enforce_eager: true}
+    # backend=vllm with record_features: "extract" takes the states from vLLM's own forwards (its
+    # extract_hidden_states method), "prefill" from a transformers prefill after decoding, "auto" extracts unless
+    # sampling on a CPU
+    vllm_states: str = "auto"
+    output_dir: str = "runs/data"
+    device: str = "auto"
+    dtype: str = "auto"
+    limit: int | None = None  # use only the first N prompts
+    # prompts=self:N: the target writes N user requests itself (train/self_prompts.py)
+    self_prompt_temperature: float = 0.8
+    self_prompt_top_p: float = 1.0
+    self_prompt_max_tokens: int = 64
+    overwrite: bool = False  # replace an existing output_dir made with different settings
+    # Start no shard that would end past this many minutes of this run (self-written prompts included) at the
+    # last shard's pace, one at least: the folder is left incomplete, usable, and a rerun continues it.
+    max_minutes: float | None = None
+    # Keep the target's states at every fed position, as an EAGLE-3 draft reads them (train: draft=eagle3 with the
+    # same eagle_aux_layer_ids): its final hidden state (the online teacher's input), then the residual stream
+    # after each of `eagle_aux_layer_ids` (vLLM's numbering, e.g. [2, 15, 27] of 30 layers). Computed by the
+    # decoding anyway, they spare training a target forward per sample: 4.6 KB a token for SmolLM2 with 3 layers.
+    record_features: bool = False
+    eagle_aux_layer_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        choices = {"spec_bench_turns": ("first", "all"), "too_long": ("skip", "error"),
+                   "backend": BACKENDS, "responses": RESPONSES, "vllm_states": VLLM_STATES}
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"{key} must be one of {', '.join(allowed)}, got {getattr(self, key)!r}")
+        positive = ("max_prompt_tokens", "num_samples", "max_new_tokens", "batch_size", "shard_size")
+        for key in positive:
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.top_logprobs < 0:
+            raise ValueError(f"top_logprobs must be >= 0 (0 = off), got {self.top_logprobs}")
+        if self.responses == "dataset" and self.num_samples != 1:
+            raise ValueError(f"responses=dataset keeps each conversation's own answers, the same tokens for every "
+                             f"sample: set num_samples=1 (got {self.num_samples})")
+        check_minutes(self.max_minutes)
+        if bool(self.eagle_aux_layer_ids) != self.record_features:
+            raise ValueError("record_features=true keeps the target's states after the layers eagle_aux_layer_ids "
+                             "names (those its EAGLE-3 draft reads, e.g. [2, 15, 27] for a 30-layer target): set "
+                             "both, or neither")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"limit must be >= 1 (or unset for all prompts), got {self.limit}")
+        if self.vllm_args is not None and not isinstance(self.vllm_args, dict):
+            raise ValueError(f"vllm_args must be a mapping of vllm.LLM arguments such as {{enforce_eager: true}}, "
+                             f"got {self.vllm_args!r}")
+        if self.column_map is not None and not isinstance(self.column_map, dict):
+            raise ValueError(f"column_map must be a mapping such as {{instruction: prompt}}, got {self.column_map!r}")
+        if not self.prompts:
+            raise ValueError("prompts is empty: give a .jsonl/.json/.parquet/.csv file, a Hub dataset name or "
+                             "embedded:train")
+        self.sampling()  # validates temperature / top_k / top_p
+
+        dtype = str(resolve_dtype(self.dtype)).removeprefix("torch.")  # raises with the valid names, before any load
+        if self.backend == "vllm" and dtype not in VLLM_DTYPES:
+            raise ValueError(f"backend=vllm computes in {', '.join(VLLM_DTYPES)}, not {dtype}; use dtype=float32 "
+                             f"or backend=transformers")
+
+    def sampling(self):
+        """The decoder's SamplingConfig for these settings."""
+        return SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+
+
+def fingerprinted_settings(cfg: DataConfig) -> dict:
+    """The settings that decide what is generated: a data folder resumes only under the same ones."""
+    return {k: v for k, v in to_dict(cfg).items()
+            if k not in _RESUMABLE_KEYS and not (k in _LATER_DEFAULTS and v == _LATER_DEFAULTS[k])}
