@@ -160,7 +160,7 @@ def build_peer(verifier: str, layer_ids: list[int], keep_ids: torch.Tensor, sett
         draft_attn_impl=attn, draft_vocab_size=int(keep_ids.numel()),
         norm_before_residual=settings["norm_before_residual"], norm_before_fc=False, fc_norm=False, norm_output=False,
         embed_requires_grad=False, ttt_steps=settings["ttt_steps"])
-    # The recorded final hidden state is the final norm's output already (specdec/eagle3.py: HiddenStateRecorder):
+    # The recorded final hidden state is the final norm's output already (specdec/eagle3/states.py: HiddenStateRecorder):
     # its targets are then verifier_lm_head(state), as they are of the un-normed state it records itself.
     model.verifier_norm = torch.nn.Identity()
     return model.float().train()

@@ -67,12 +67,12 @@ def child(settings: dict) -> dict:
     import torch.nn.functional as F
     from transformers import LlamaConfig
 
-    from specdec import eagle3
     from specdec.eagle3 import Eagle3Draft, draft_config
+    from specdec.eagle3 import model as eagle3_model
 
     torch.set_num_threads(1)  # memory, not time: one thread spares the shared CPUs and its per-thread buffers
     if settings["side"] == "before":
-        eagle3.unrolled_attention = dense_attention_before
+        eagle3_model.unrolled_attention = dense_attention_before
     torch.manual_seed(0)
     target = LlamaConfig(**TINY)
     draft = Eagle3Draft(draft_config(target, LAYER_IDS, target.vocab_size))

@@ -1,4 +1,4 @@
-"""EAGLE-3 drafts (specdec/eagle3.py): the computation, exact decoding, the target's states read, the unrolled
+"""EAGLE-3 drafts (specdec/eagle3/): the computation, exact decoding, the target's states read, the unrolled
 training-time test equal to the decoder, save and load; the trainer and eval with draft=eagle3."""
 
 import dataclasses
@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from conftest import ragged_prompts, tiny_llama
 
 from specdec import speculative_generate, target_generate
-from specdec.eagle3 import Eagle3Draft, Eagle3Drafter, HiddenStateRecorder, _HiddenWindow, default_layer_ids
+from specdec.eagle3 import Eagle3Draft, Eagle3Drafter, HiddenStateRecorder, default_layer_ids
+from specdec.eagle3.drafter import _HiddenWindow
 from specdec.eval import proposals
 from specdec.models import load_model
 from specdec.replay import replay_ranks, replay_runs, runs_from_ranks, target_states
@@ -105,7 +106,7 @@ def test_the_forward_is_the_eagle3_computation(target4, random_draft):
     input, or reading other layers, changes it (so the test can fail)."""
     ids = torch.tensor([[5, 17, 33, 8, 91, 40]])
     with torch.no_grad():
-        hidden = random_draft.read_target(target4, ids, torch.ones_like(ids))
+        hidden = target_states(random_draft, target4, ids, torch.ones_like(ids))
         expected = reference_step(random_draft, ids, hidden)
         got = random_draft(ids, hidden, torch.arange(6)[None])[1]
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
@@ -114,7 +115,7 @@ def test_the_forward_is_the_eagle3_computation(target4, random_draft):
         h = q.shape[1] // 2
         q.copy_(torch.cat([q[:, h:], q[:, :h]], 1))
         assert not torch.allclose(swapped(ids, hidden, torch.arange(6)[None])[1], expected, atol=1e-3)
-        other = random_draft.read_target(target4, ids, torch.ones_like(ids)).roll(1, dims=-1)
+        other = target_states(random_draft, target4, ids, torch.ones_like(ids)).roll(1, dims=-1)
         assert not torch.allclose(random_draft(ids, other, torch.arange(6)[None])[1], expected, atol=1e-3)
 
 

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from conftest import tiny_llama
 from transformers.models.llama.modeling_llama import repeat_kv
 
-from specdec import eagle3
 from specdec.eagle3 import Eagle3Draft
+from specdec.eagle3 import model as eagle3_model
 from specdec.eagle3_attention import unrolled_attention
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
@@ -172,7 +172,7 @@ def test_unrolled_equals_the_dense_implementation_with_gradients(small_draft, mo
         return [o.detach() for o in outs], {k: p.grad.clone() for k, p in draft.named_parameters() if p.grad is not None}
 
     outs, grads = run()
-    monkeypatch.setattr(eagle3, "unrolled_attention", dense_reference)
+    monkeypatch.setattr(eagle3_model, "unrolled_attention", dense_reference)
     ref, ref_grads = run()
     for o, r in zip(outs, ref):
         torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-5)

@@ -93,7 +93,7 @@ class TrainConfig:
     # Keep the head (the target's rows) fixed: the draft learns to land in the target's final hidden space,
     # so ids rare in the training data keep the target's own output directions.
     freeze_head: bool = False
-    # draft=eagle3 (specdec/eagle3.py): the target layers whose residual streams it reads, counted as vLLM's
+    # draft=eagle3 (specdec/eagle3/): the target layers whose residual streams it reads, counted as vLLM's
     # eagle_aux_hidden_state_layer_ids (after i layers); [] = the engines' default (2, N // 2, N - 3)
     eagle_aux_layer_ids: list[int] = field(default_factory=list)
     ttt_steps: int = 3  # training-time test: proposals unrolled per position (EAGLE-3's scheme; 1 = the first only)

@@ -4,7 +4,7 @@
                 in a config with fewer layers: still a plain transformers model (save/from_pretrained work)
     scratch     the target's config with overrides (e.g. {num_hidden_layers: 2}), random layers, target
                 embeddings / final norm / head copied (hidden sizes must match)
-    eagle3      an EAGLE-3 draft reading three of the target's hidden states (specdec/eagle3.py; trained by
+    eagle3      an EAGLE-3 draft reading three of the target's hidden states (specdec/eagle3/; trained by
                 train/eagle3_train.py)
     otherwise   a Hub id or local path of a pretrained small model with the target's tokenizer
 

@@ -10,7 +10,7 @@ The output folder holds safetensors weights, config, tokenizer and README.md. A 
 STANDALONE`); its reduced-vocabulary head is exported with its id map (specdec only) unless
 `full_vocab_head=true` expands it to the full vocabulary (see `expand_head`). An EAGLE-3 draft is written in
 the layout vLLM (`"method": "eagle3"`) and SGLang (`--speculative-algorithm EAGLE3`) both load, its reduced
-vocabulary as the engines' d2t (specdec/eagle3.py). OUT is written to a temporary folder and renamed.
+vocabulary as the engines' d2t (specdec/eagle3/). OUT is written to a temporary folder and renamed.
 """
 
 from __future__ import annotations
