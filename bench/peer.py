@@ -40,8 +40,8 @@ draft layer uses full attention, not its CLI's 2048-token sliding window (the ro
 false, since specdec's decoder cannot replay them (vLLM 0.32 serves both).
 
 Then every draft is saved in speculators' format (specdec's through `specdec publish format=speculators`, the
-peer's by its own `save_pretrained`, with `target_hidden_size` filled in where it left it null: vLLM defaults it
-to the hidden size, specdec's loader requires it), loaded by specdec, and scored on the held-out folder by the
+peer's by its own `save_pretrained`, unchanged: its `target_hidden_size: null` means the draft's hidden size to
+specdec as to vLLM), loaded by specdec, and scored on the held-out folder by the
 trainer's own held-out replay (train/eagle3_train.py: `evaluate_part`, `merge_parts`; specdec/replay.py):
 greedy agreement of the first proposal, top-1 agreement at round positions 2 and 3, tau(1..4), alpha (a lower
 bound from the stored top-20). Each saved folder is also checked the way the engines read it: speculators'
@@ -271,14 +271,9 @@ def train_peer(model, data: PeerData, settings: dict, steps: int, autocast=None,
 
 
 def save_peer(model, out: Path) -> Path:
-    """The peer's own save_pretrained, then the one conversion its config needs for specdec: target_hidden_size,
-    which it leaves null (vLLM then takes the hidden size; specdec's loader requires the key)."""
+    """The peer's own save_pretrained, unchanged: specdec reads its `target_hidden_size: null` as the peer does (the
+    draft's hidden size)."""
     model.save_pretrained(str(out))
-    config_file = out / "config.json"
-    config = json.loads(config_file.read_text())
-    if config.get("target_hidden_size") is None:
-        config["target_hidden_size"] = config["transformer_layer_config"]["hidden_size"]
-        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out
 
 

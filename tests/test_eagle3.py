@@ -270,6 +270,22 @@ def test_save_load_round_trip_is_exact(target4, tmp_path):
     assert torch.equal(speculative_generate(target4, loaded, ids, mask, 3, max_new_tokens=32).sequences, ref.sequences)
 
 
+def test_a_null_target_hidden_size_means_the_drafts_own(target4, random_draft, tmp_path):
+    """Issue 30: stock speculators EAGLE-3 checkpoints write `target_hidden_size: null` for a target as wide as the
+    draft, which speculators reads as the draft's hidden_size; specdec reads it so too, in either layout."""
+    for fmt in ("speculators", "engines"):
+        folder = tmp_path / fmt
+        random_draft.save_pretrained(folder, format=fmt, speculators={
+            "verifier": "acme/target", "verifier_architectures": ["LlamaForCausalLM"], "num_draft_tokens": 3})
+        config = json.loads((folder / "config.json").read_text())
+        config["target_hidden_size"] = None
+        (folder / "config.json").write_text(json.dumps(config))
+        loaded = load_model(str(folder), dtype="float64", device="cpu")
+        assert loaded.config.target_hidden_size == random_draft.config.hidden_size
+        for name, value in random_draft.state_dict().items():
+            assert torch.equal(value, loaded.state_dict()[name]), (fmt, name)
+
+
 def test_an_old_feature_draft_gets_a_retraining_hint(tmp_path):
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "config.json").write_text(json.dumps({"specdec_feature_draft": True, "model_type": "llama"}))
