@@ -1,4 +1,4 @@
-"""The chunked attention of EAGLE-3's unrolled training-time test (specdec/eagle3_attention.py): equal to the
+"""The chunked attention of EAGLE-3's unrolled training-time test (specdec/eagle3/attention.py): equal to the
 dense computation it replaces (outputs and gradients), the same `unrolled` outputs, packed documents equal to
 each document alone, and what autograd keeps growing linearly in n."""
 
@@ -12,7 +12,7 @@ from transformers.models.llama.modeling_llama import repeat_kv
 
 from specdec.eagle3 import Eagle3Draft
 from specdec.eagle3 import model as eagle3_model
-from specdec.eagle3_attention import unrolled_attention
+from specdec.eagle3.attention import unrolled_attention
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
 # The softmax runs in float32 whatever the inputs' dtype (as before): float32 rounding, summed in other orders.

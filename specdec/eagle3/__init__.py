@@ -1,6 +1,7 @@
 """EAGLE-3 drafts (Li et al. 2025, arXiv:2503.01840), computed as the serving engines compute them.
 
     model.py     the draft's computation: config from the target's, the layer, the cached and unrolled forwards
+    attention.py the unrolled training-time test's attention, chunked (memory linear in the sequence length)
     formats.py   its checkpoint layouts (the engines', speculators'), written and read
     states.py    the target's hidden states it reads: the recorder (forward hooks) and the one forward for them
     drafter.py   decoding with it (specdec/drafter.py's interface)

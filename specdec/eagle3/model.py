@@ -37,7 +37,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from specdec.eagle3 import formats
-from specdec.eagle3_attention import unrolled_attention
+from specdec.eagle3.attention import unrolled_attention
 
 
 def default_layer_ids(num_layers: int) -> list[int]:
@@ -230,7 +230,7 @@ class Eagle3Draft(nn.Module):
         unrolled outputs equal the decoder's proposals. Each step costs one causal attention over step 1's keys
         plus j - 1 single diagonal keys, so the cost grows linearly in `steps` (a dense mask over all steps' keys
         would grow quadratically); that attention runs in chunks of queries, recomputed in backward, so memory
-        grows linearly in n (specdec/eagle3_attention.py).  input_ids, attention_mask: [B, S] (rows right-padded);
+        grows linearly in n (specdec/eagle3/attention.py).  input_ids, attention_mask: [B, S] (rows right-padded);
         target_hidden: [B, S, 3 H_target].
 
         `document_ids` [B, S] (packed rows: each row several documents, each a contiguous run of positions) makes
