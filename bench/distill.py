@@ -78,13 +78,13 @@ def score(result: dict, heldouts: list[str], target: str) -> dict:
     as the decoder proposes for its kind (specdec/replay.py); an EAGLE-3 draft reads the target's states there."""
     import torch
 
-    from specdec import replay
+    from specdec import draft_registry, replay
     from specdec.models import load_model
     from specdec.train.batches import collate, load_split
     from specdec.train.distill import TrainConfig
 
     model = load_model(result["draft"], dtype="float32", device="cpu").eval()
-    reads_target = hasattr(model, "read_target")
+    reads_target = draft_registry.of_model(model).training.reads_target_states
     target_model = load_model(target, dtype="float32", device="cpu") if reads_target else None
     cfg = TrainConfig(eval_batch_size=16)
     ks = cfg.eval_k

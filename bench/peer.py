@@ -40,8 +40,8 @@ draft layer uses full attention, not its CLI's 2048-token sliding window (the ro
 false, since specdec's decoder cannot replay them (vLLM 0.32 serves both).
 
 Then every draft is saved in speculators' format (specdec's through `specdec publish format=speculators`, the
-peer's by its own `save_pretrained`, with `target_hidden_size` filled in where it left it null: vLLM defaults it
-to the hidden size, specdec's loader requires it), loaded by specdec, and scored on the held-out folder by the
+peer's by its own `save_pretrained`, unchanged: its `target_hidden_size: null` means the draft's hidden size to
+specdec as to vLLM), loaded by specdec, and scored on the held-out folder by the
 trainer's own held-out replay (train/eagle3_train.py: `evaluate_part`, `merge_parts`; specdec/replay.py):
 greedy agreement of the first proposal, top-1 agreement at round positions 2 and 3, tau(1..4), alpha (a lower
 bound from the stored top-20). Each saved folder is also checked the way the engines read it: speculators'
@@ -160,7 +160,7 @@ def build_peer(verifier: str, layer_ids: list[int], keep_ids: torch.Tensor, sett
         draft_attn_impl=attn, draft_vocab_size=int(keep_ids.numel()),
         norm_before_residual=settings["norm_before_residual"], norm_before_fc=False, fc_norm=False, norm_output=False,
         embed_requires_grad=False, ttt_steps=settings["ttt_steps"])
-    # The recorded final hidden state is the final norm's output already (specdec/eagle3.py: HiddenStateRecorder):
+    # The recorded final hidden state is the final norm's output already (specdec/eagle3/states.py: HiddenStateRecorder):
     # its targets are then verifier_lm_head(state), as they are of the un-normed state it records itself.
     model.verifier_norm = torch.nn.Identity()
     return model.float().train()
@@ -271,14 +271,9 @@ def train_peer(model, data: PeerData, settings: dict, steps: int, autocast=None,
 
 
 def save_peer(model, out: Path) -> Path:
-    """The peer's own save_pretrained, then the one conversion its config needs for specdec: target_hidden_size,
-    which it leaves null (vLLM then takes the hidden size; specdec's loader requires the key)."""
+    """The peer's own save_pretrained, unchanged: specdec reads its `target_hidden_size: null` as the peer does (the
+    draft's hidden size)."""
     model.save_pretrained(str(out))
-    config_file = out / "config.json"
-    config = json.loads(config_file.read_text())
-    if config.get("target_hidden_size") is None:
-        config["target_hidden_size"] = config["transformer_layer_config"]["hidden_size"]
-        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out
 
 
@@ -535,7 +530,7 @@ def settings_text(name: str, s: dict) -> str:
             f"norm_before_residual {str(s['norm_before_residual']).lower()}")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "peer", help="data and runs go here")
@@ -559,6 +554,127 @@ def main() -> None:
                         "without native bf16 (default there: the same iteration in float32)")
     args = parser.parse_args()
     args.parallel = args.parallel or max(1, (os.cpu_count() or 1) // args.threads)
+    return args
+
+
+def run_settings(args, train: dict, data: Path, heldout: Path) -> tuple[dict, dict]:
+    """specdec's TrainConfig for its runs (the recipe's settings, the bench's schedule), and every run's settings."""
+    specdec_cfg = {
+        "target": TARGET, "draft": "eagle3", "seed": args.seed,
+        "device": "cpu", "dtype": "float32", "train_data": str(data), "heldout_data": str(heldout),
+        "max_length": args.max_length, "per_device_batch_size": args.batch, "max_steps": args.steps,
+        "log_every": 20, "eval_every": 0, "save_every": 0, "eval_samples": 8, "eval_k": KS, "best_k": 3,
+        "states": "recorded", "data_workers": 0,  # both loops read their states in-process
+        **{k: train[k] for k in ("eagle_aux_layer_ids", "draft_vocab_size", "ttt_steps", "ttt_decay", "teacher",
+                                 "loss", "learning_rate", "warmup_steps") if k in train}}
+    settings = {**{run: {"weight_decay": 0.0, **specdec_cfg, **extra} for run, extra in SPECDEC_RUNS.items()},
+                "peer-defaults": PEER_DEFAULTS, "peer-ours": peer_ours(train)}
+    return specdec_cfg, settings
+
+
+def train_all(args, work: Path, data: Path, specdec_cfg: dict, settings: dict, keep, layer_ids) -> dict:
+    """Every run of `args.runs`, each in its own process, `args.parallel` at a time: {run: its outcome}."""
+
+    def train(run: str) -> dict:
+        print(f"== {run}: {args.steps} steps x {args.batch} samples", flush=True)
+        spec = {"run": run, "config": {**specdec_cfg, **SPECDEC_RUNS[run], "output_dir": str(work / f"run-{run}")}} \
+            if run in SPECDEC_RUNS else {
+            "run": run, "target": TARGET, "keep_ids": keep.tolist(), "layer_ids": layer_ids,
+            "settings": settings[run], "seed": args.seed, "attn": args.attn, "train_data": str(data),
+            "batch": args.batch, "steps": args.steps, "max_length": args.max_length,
+            "output_dir": str(work / f"run-{run}"), "muon_bf16": args.muon_bf16}
+        shutil.rmtree(work / f"run-{run}", ignore_errors=True)  # every run starts afresh
+        out = run_child(spec, args.threads)
+        print(f"{run}: " + json.dumps({k: v for k, v in out.items() if k != "losses"}), flush=True)
+        return out
+
+    with ThreadPoolExecutor(max_workers=args.parallel) as pool:  # the slowest first
+        order = sorted(args.runs, key=lambda r: ("peer-defaults", "peer-ours").index(r) if r.startswith("peer") else 2)
+        done = dict(zip(order, pool.map(train, order)))
+    return {run: done[run] for run in args.runs}
+
+
+def vllm_line(args, engines: dict | None, folder: Path, verifier: str, heldout: Path, tokenizer) -> str:
+    """What vLLM makes of a saved folder: its config parser's reading and, with --vllm-serve, its serving."""
+    read = (engines or {}).get(str(folder))
+    line = ("vLLM's environment not found: config not parsed by vLLM" if engines is None else
+            f"vLLM parse failed: {engines['error'][-300:]}" if "error" in engines else
+            f"vLLM reads {read['method']}, {read['architectures']}, draft vocab {read['draft_vocab_size']}, "
+            f"target hidden {read['target_hidden_size']}, layers {read['eagle_aux_hidden_state_layer_ids']}, "
+            f"norm_before_residual {read['norm_before_residual']}, norm_before_fc {read['norm_before_fc']}, "
+            f"norm_output {read['norm_output']}")
+    if args.vllm_serve:
+        served = vllm_serves(verifier, folder, heldout, args.vllm_serve, 3, args.max_new_tokens)
+        replayed = heldout_figures(folder, heldout, tokenizer, args.max_length, limit=args.vllm_serve)["tau"][3]
+        line += ("; vLLM serving failed: " + served["error"][-300:] if "error" in served else
+                 f"; vLLM serves it ({args.vllm_serve} held-out prompts, k = 3, greedy, float32): output "
+                 f"{'identical to' if served['identical'] else 'DIFFERENT from'} the target's, mean accepted "
+                 f"tokens {served['tau']:.3f} over {served['drafts']} rounds (specdec's replay of the same "
+                 f"rows: tau(3) {replayed:.3f}), accepted per position "
+                 + ", ".join(f"{a:.3f}" for a in served["per_position"]))
+    return line
+
+
+def score_all(args, outcome: dict, work: Path, heldout: Path, tokenizer, verifier: str) -> tuple[list, list]:
+    """Each saved folder's held-out figures (a table row) and how specdec, speculators and vLLM read it."""
+    folders = {run: Path(o["final"]) for run, o in outcome.items()}
+    engines = vllm_reads(list(folders.values()))
+    rows, checks = [], []
+    for run, folder in folders.items():
+        figures = heldout_figures(folder, heldout, tokenizer, args.max_length)
+        top1 = [p.get("1", float("nan")) for p in figures["top_n_agreement"]]
+        o = outcome[run]
+        rows.append(f"| {run} | {figures['agreement']:.3f} | {top1[1]:.3f} | {top1[2]:.3f} | "
+                    + " | ".join(f"{figures['tau'][k]:.3f}" for k in KS)
+                    + f" | {figures['alpha']:.3f} | {o['tokens'] / o['seconds']:.0f} | "
+                    f"{o['tokens'] / o['cpu_seconds']:.0f} | {o['peak_rss_mb']:.0f} | "
+                    f"{o['peak_rss_mb'] - o['imports_rss_mb']:.0f} |")
+        diff = speculators_agrees(folder, verifier, heldout, args.max_length)
+        names = tensor_names(folder)
+        checks.append(f"- {run} (`{folder.relative_to(work)}`): specdec loads it; speculators loads it, max |logit "
+                      f"difference| to specdec's on a held-out row {diff:.2e}; tensors "
+                      f"{'all among' if names <= VLLM_TENSORS else 'NOT all among'} those vLLM loads"
+                      f"{'' if names <= VLLM_TENSORS else ' (extra: ' + ', '.join(sorted(names - VLLM_TENSORS)) + ')'}"
+                      f"; {vllm_line(args, engines, folder, verifier, heldout, tokenizer)}")
+        print(rows[-1], flush=True)
+    return rows, checks
+
+
+def report_body(args, outcome: dict, settings: dict, rows: list, checks: list, facts: dict) -> str:
+    """The results page's text; `facts`: data, heldout, data_minutes, train_examples, keep, layer_ids."""
+    curves = {run: o.get("losses") for run, o in outcome.items() if o.get("losses")}
+    manifest = json.loads((facts["data"] / "manifest.json").read_text())
+    held = json.loads((facts["heldout"] / "manifest.json").read_text())
+    return "\n".join([
+        f"Every run: {args.steps} optimizer steps x {args.batch} samples, the same rows in the same order ("
+        f"specdec's schedule); one process each, {args.threads} thread(s), {args.parallel} at a time, mixed "
+        f"precision {', '.join(sorted({o['mixed_precision'] for o in outcome.values()}))}. Data: specdec's data stage on "
+        f"the embedded target, float32 greedy, {args.max_new_tokens} new tokens: "
+        f"{manifest.get('counts', {}).get('examples', facts['train_examples'])} training examples from "
+        f"{args.train_prompts} shipped prompts, {held.get('counts', {}).get('examples', '?')} held-out examples "
+        f"from {args.heldout_prompts} held-out prompts (data made in {facts['data_minutes']:.1f} min this run; 0 = "
+        f"reused); {args.steps * args.batch / facts['train_examples']:.1f} epochs. "
+        f"Draft vocabulary {facts['keep'].numel()} ids (specdec's choice, shared), layers {facts['layer_ids']}.", "",
+        "Held-out figures by specdec's replay of each saved speculators-format folder: agreement = greedy agreement of "
+        "the first proposal at every completion position; top-1 @2, @3 = at the round's 2nd and 3rd proposal "
+        "(teacher-forced); tau(k) = mean accepted tokens per round, chain of k; alpha = expected acceptance (a lower "
+        "bound from the stored top-20). Tokens/s = scored completion positions per second of the training loop "
+        "(first step's start to last step's end), tokens/CPU-s the same per second of the process's CPU time (less "
+        "sensitive to other users of the machine); peak RSS = ru_maxrss of the trainer's process; above imports = "
+        "that peak less the process's RSS once its libraries were imported, before any model or data.", "",
+        "| run | agreement | top-1 @2 | top-1 @3 | " + " | ".join(f"tau({k})" for k in KS)
+        + " | alpha | tokens/s | tokens/CPU-s | peak RSS MB | above imports MB |",
+        "|---|" + "---:|" * (8 + len(KS)), *rows, "",
+        "Settings:", "", *[f"- {run}: {settings_text(run, settings[run])}"
+                           + (f"; Muon's Newton-Schulz in {outcome[run]['muon']}" if "muon" in outcome[run] else "")
+                           for run in outcome], "",
+        "Loads:", "", *checks, "",
+        "Training losses (each run's own loss, not comparable across trainers):", "",
+        *[f"- {run}: " + ", ".join(f"{s}: {v:.3f}" for s, v in c) for run, c in curves.items()], ""])
+
+
+def main() -> None:
+    args = parse_args()
     if args.child:
         return child_main(json.loads(args.child))
 
@@ -580,109 +696,22 @@ def main() -> None:
     tokenizer = load_tokenizer(TARGET)
     verifier = str(Path(resolve_path(TARGET)).resolve())
     train_ds = load_split(data)
-    vocab = len(tokenizer)
     if int(train.get("draft_vocab_size", 0)) < 1:
         raise ValueError(f"{RECIPE.name} names no explicit draft_vocab_size: the bench gives both trainers that many "
                          "ids (set it there, e.g. 4096)")
-    keep = draft_vocabulary(train_ds, tokenizer, int(train["draft_vocab_size"]), vocab)
-    specdec_cfg = {
-        "target": TARGET, "draft": "eagle3", "seed": args.seed,
-        "device": "cpu", "dtype": "float32", "train_data": str(data), "heldout_data": str(heldout),
-        "max_length": args.max_length, "per_device_batch_size": args.batch, "max_steps": args.steps,
-        "log_every": 20, "eval_every": 0, "save_every": 0, "eval_samples": 8, "eval_k": KS, "best_k": 3,
-        "states": "recorded", "data_workers": 0,  # both loops read their states in-process
-        **{k: train[k] for k in ("eagle_aux_layer_ids", "draft_vocab_size", "ttt_steps", "ttt_decay", "teacher",
-                                 "loss", "learning_rate", "warmup_steps") if k in train}}
-    settings = {**{run: {"weight_decay": 0.0, **specdec_cfg, **extra} for run, extra in SPECDEC_RUNS.items()},
-                "peer-defaults": PEER_DEFAULTS, "peer-ours": peer_ours(train)}
-    def train(run: str) -> dict:
-        print(f"== {run}: {args.steps} steps x {args.batch} samples", flush=True)
-        spec = {"run": run, "config": {**specdec_cfg, **SPECDEC_RUNS[run], "output_dir": str(work / f"run-{run}")}} \
-            if run in SPECDEC_RUNS else {
-            "run": run, "target": TARGET, "keep_ids": keep.tolist(), "layer_ids": layer_ids,
-            "settings": settings[run], "seed": args.seed, "attn": args.attn, "train_data": str(data),
-            "batch": args.batch, "steps": args.steps, "max_length": args.max_length,
-            "output_dir": str(work / f"run-{run}"), "muon_bf16": args.muon_bf16}
-        shutil.rmtree(work / f"run-{run}", ignore_errors=True)  # every run starts afresh
-        out = run_child(spec, args.threads)
-        print(f"{run}: " + json.dumps({k: v for k, v in out.items() if k != "losses"}), flush=True)
-        return out
-
-    with ThreadPoolExecutor(max_workers=args.parallel) as pool:  # the slowest first
-        order = sorted(args.runs, key=lambda r: ("peer-defaults", "peer-ours").index(r) if r.startswith("peer") else 2)
-        done = dict(zip(order, pool.map(train, order)))
-    outcome = {run: done[run] for run in args.runs}
+    keep = draft_vocabulary(train_ds, tokenizer, int(train["draft_vocab_size"]), len(tokenizer))
+    specdec_cfg, settings = run_settings(args, train, data, heldout)
+    outcome = train_all(args, work, data, specdec_cfg, settings, keep, layer_ids)
     for run in SPECDEC_RUNS.keys() & outcome.keys():  # the same kept ids; then specdec's speculators layout
         chosen = json.loads((work / f"run-{run}" / "draft_vocab.json").read_text())["ids"]
         assert sorted(chosen) == sorted(keep.tolist()), "specdec's trainer kept other ids than the bench"
         outcome[run]["final"] = str(pub.publish(pub.PublishConfig(
             draft=outcome[run]["final"], out=str(work / f"run-{run}" / "speculators"), target=TARGET,
             format="speculators", overwrite=True)))
-    folders = {run: Path(o["final"]) for run, o in outcome.items()}
-    engines = vllm_reads(list(folders.values()))
-    rows, checks = [], []
-    for run, folder in folders.items():
-        figures = heldout_figures(folder, heldout, tokenizer, args.max_length)
-        top1 = [p.get("1", float("nan")) for p in figures["top_n_agreement"]]
-        o = outcome[run]
-        rows.append(f"| {run} | {figures['agreement']:.3f} | {top1[1]:.3f} | {top1[2]:.3f} | "
-                    + " | ".join(f"{figures['tau'][k]:.3f}" for k in KS)
-                    + f" | {figures['alpha']:.3f} | {o['tokens'] / o['seconds']:.0f} | "
-                    f"{o['tokens'] / o['cpu_seconds']:.0f} | {o['peak_rss_mb']:.0f} | "
-                    f"{o['peak_rss_mb'] - o['imports_rss_mb']:.0f} |")
-        diff = speculators_agrees(folder, verifier, heldout, args.max_length)
-        names = tensor_names(folder)
-        read = (engines or {}).get(str(folder))
-        vllm_line = ("vLLM's environment not found: config not parsed by vLLM" if engines is None else
-                     f"vLLM parse failed: {engines['error'][-300:]}" if "error" in engines else
-                     f"vLLM reads {read['method']}, {read['architectures']}, draft vocab {read['draft_vocab_size']}, "
-                     f"target hidden {read['target_hidden_size']}, layers {read['eagle_aux_hidden_state_layer_ids']}, "
-                     f"norm_before_residual {read['norm_before_residual']}, norm_before_fc {read['norm_before_fc']}, "
-                     f"norm_output {read['norm_output']}")
-        if args.vllm_serve:
-            served = vllm_serves(verifier, folder, heldout, args.vllm_serve, 3, args.max_new_tokens)
-            replayed = heldout_figures(folder, heldout, tokenizer, args.max_length, limit=args.vllm_serve)["tau"][3]
-            vllm_line += ("; vLLM serving failed: " + served["error"][-300:] if "error" in served else
-                          f"; vLLM serves it ({args.vllm_serve} held-out prompts, k = 3, greedy, float32): output "
-                          f"{'identical to' if served['identical'] else 'DIFFERENT from'} the target's, mean accepted "
-                          f"tokens {served['tau']:.3f} over {served['drafts']} rounds (specdec's replay of the same "
-                          f"rows: tau(3) {replayed:.3f}), accepted per position "
-                          + ", ".join(f"{a:.3f}" for a in served["per_position"]))
-        checks.append(f"- {run} (`{folder.relative_to(work)}`): specdec loads it; speculators loads it, max |logit "
-                      f"difference| to specdec's on a held-out row {diff:.2e}; tensors "
-                      f"{'all among' if names <= VLLM_TENSORS else 'NOT all among'} those vLLM loads"
-                      f"{'' if names <= VLLM_TENSORS else ' (extra: ' + ', '.join(sorted(names - VLLM_TENSORS)) + ')'}"
-                      f"; {vllm_line}")
-        print(rows[-1], flush=True)
-    curves = {run: o.get("losses") for run, o in outcome.items() if o.get("losses")}
-    manifest = json.loads((data / "manifest.json").read_text())
-    held = json.loads((heldout / "manifest.json").read_text())
-    body = "\n".join([
-        f"Every run: {args.steps} optimizer steps x {args.batch} samples, the same rows in the same order ("
-        f"specdec's schedule); one process each, {args.threads} thread(s), {args.parallel} at a time, mixed "
-        f"precision {', '.join(sorted({o['mixed_precision'] for o in outcome.values()}))}. Data: specdec's data stage on "
-        f"the embedded target, float32 greedy, {args.max_new_tokens} new tokens: "
-        f"{manifest.get('counts', {}).get('examples', len(train_ds))} training examples from "
-        f"{args.train_prompts} shipped prompts, {held.get('counts', {}).get('examples', '?')} held-out examples "
-        f"from {args.heldout_prompts} held-out prompts (data made in {data_minutes:.1f} min this run; 0 = reused); "
-        f"{args.steps * args.batch / len(train_ds):.1f} epochs. "
-        f"Draft vocabulary {keep.numel()} ids (specdec's choice, shared), layers {layer_ids}.", "",
-        "Held-out figures by specdec's replay of each saved speculators-format folder: agreement = greedy agreement of "
-        "the first proposal at every completion position; top-1 @2, @3 = at the round's 2nd and 3rd proposal "
-        "(teacher-forced); tau(k) = mean accepted tokens per round, chain of k; alpha = expected acceptance (a lower "
-        "bound from the stored top-20). Tokens/s = scored completion positions per second of the training loop "
-        "(first step's start to last step's end), tokens/CPU-s the same per second of the process's CPU time (less "
-        "sensitive to other users of the machine); peak RSS = ru_maxrss of the trainer's process; above imports = "
-        "that peak less the process's RSS once its libraries were imported, before any model or data.", "",
-        "| run | agreement | top-1 @2 | top-1 @3 | " + " | ".join(f"tau({k})" for k in KS)
-        + " | alpha | tokens/s | tokens/CPU-s | peak RSS MB | above imports MB |",
-        "|---|" + "---:|" * (8 + len(KS)), *rows, "",
-        "Settings:", "", *[f"- {run}: {settings_text(run, settings[run])}"
-                           + (f"; Muon's Newton-Schulz in {outcome[run]['muon']}" if "muon" in outcome[run] else "")
-                           for run in outcome], "",
-        "Loads:", "", *checks, "",
-        "Training losses (each run's own loss, not comparable across trainers):", "",
-        *[f"- {run}: " + ", ".join(f"{s}: {v:.3f}" for s, v in c) for run, c in curves.items()], ""])
+    rows, checks = score_all(args, outcome, work, heldout, tokenizer, verifier)
+    body = report_body(args, outcome, settings, rows, checks, {
+        "data": data, "heldout": heldout, "data_minutes": data_minutes, "train_examples": len(train_ds),
+        "keep": keep, "layer_ids": layer_ids})
     print(body)
     print(f"\nwritten to {results.write('peer-speculators', 'Peer comparison: specdec against speculators', body, provenance)}")
 

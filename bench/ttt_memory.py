@@ -1,5 +1,5 @@
 """Peak memory of one EAGLE-3 training step (the unrolled training-time test) against the row length S, at a fixed
-number of tokens per batch: the chunked attention of specdec/eagle3_attention.py ("after") against the dense one
+number of tokens per batch: the chunked attention of specdec/eagle3/attention.py ("after") against the dense one
 it replaced ("before", kept below).
 
     python bench/ttt_memory.py                                   # S = 512 .. 8192, 8192 tokens per batch
@@ -37,7 +37,7 @@ LAYER_IDS = [2, 4, 5]
 MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}  # glibc: each block over 1 MiB mapped, unmapped on free
 
 
-# ---- "before": the attention of Eagle3Draft.unrolled before specdec/eagle3_attention.py (commit b32b785): all
+# ---- "before": the attention of Eagle3Draft.unrolled before specdec/eagle3/attention.py (commit b32b785): all
 # [B, heads, n, n] scores of a step at once, kept (their softmax) by autograd for backward. The tests hold it as
 # their dense reference; it is taken from there, behind the new function's signature.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -67,12 +67,12 @@ def child(settings: dict) -> dict:
     import torch.nn.functional as F
     from transformers import LlamaConfig
 
-    from specdec import eagle3
     from specdec.eagle3 import Eagle3Draft, draft_config
+    from specdec.eagle3 import model as eagle3_model
 
     torch.set_num_threads(1)  # memory, not time: one thread spares the shared CPUs and its per-thread buffers
     if settings["side"] == "before":
-        eagle3.unrolled_attention = dense_attention_before
+        eagle3_model.unrolled_attention = dense_attention_before
     torch.manual_seed(0)
     target = LlamaConfig(**TINY)
     draft = Eagle3Draft(draft_config(target, LAYER_IDS, target.vocab_size))
@@ -144,7 +144,7 @@ def main() -> None:
         f"{args.tokens} tokens per batch (B x S). One child process per figure, on one thread; the peak is "
         f"{'reset before the step (/proc/self/clear_refs)' if exact else 'the process peak (ru_maxrss), an upper bound'}"
         f", glibc's mmap threshold fixed at 1 MiB (RSS follows the live tensors) except in the last column. "
-        f"after = the chunked attention (specdec/eagle3_attention.py), before = the dense one it replaced "
+        f"after = the chunked attention (specdec/eagle3/attention.py), before = the dense one it replaced "
         f"(a copy in bench/ttt_memory.py). The dense scores column is one float32 [B, heads, n, n] block.",
         "", *lines, "",
         f"Largest / smallest peak across S (S grows {max(args.lengths) // min(args.lengths)}x; memory linear in S "

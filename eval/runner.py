@@ -32,7 +32,7 @@ from transformers import DynamicCache
 from specdec import fast_linear, replay
 from specdec.compat import check_compatible
 from specdec.decode import DecodeStats, speculative_generate, target_generate
-from specdec.drafter import make_drafter
+from specdec.draft_registry import make_drafter
 from specdec.eval import decision as decision_mod
 from specdec.eval import engine_report, equivalence, memory, metrics, plots, proposals, report
 from specdec.eval.engine_vllm import check_settings

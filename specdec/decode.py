@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from specdec.drafter import make_drafter
+from specdec.draft_registry import make_drafter
 from specdec.fast_linear import fast_linears
 from specdec.kv import Batch, cache_kwarg, forward_cached, forward_masked, keep_path, prefill, rollback
 from specdec.sampling import SamplingConfig, next_token, probabilities

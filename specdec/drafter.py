@@ -1,6 +1,7 @@
 """The draft's side of speculative decoding: one interface for every kind of draft.
 
     drafter = make_drafter(draft, target, sampling)   # before the target's prefill: it may watch its forwards
+                                                       # (specdec/draft_registry.py: the draft's kind makes it)
     drafter.start(batch)                               # after the prefill
     tokens, q = drafter.propose(batch, k, gen, stats)  # [B, k] target ids; q [B, k, V] when sampling, else None
     drafter.observe(position)                          # after each target forward, which computed from `position` on
@@ -10,9 +11,9 @@
 A round of a draft tree (specdec/tree.py) uses `tree_root`, `tree_step`, `tree_cached` and `tree_rollback` instead
 of `propose` and `rollback`; `observe(position, keep)` then gets the forward's rows that became the sequence.
 
-A plain draft (any causal LM over the target's tokenizer) keeps its own KV cache over the token buffer. A draft
-class that needs more (an EAGLE-3 draft reads the target's hidden states) provides `make_drafter(target, batch,
-sampling)` and returns its own subclass; the decode loop never asks which kind it holds.
+A plain draft (any causal LM over the target's tokenizer) keeps its own KV cache over the token buffer. A kind of
+draft that needs more (an EAGLE-3 draft reads the target's hidden states: specdec/eagle3/drafter.py) returns its
+own subclass from its kind's `drafter` (specdec/draft_kind.py); the decode loop never asks which kind it holds.
 """
 
 from __future__ import annotations
@@ -150,8 +151,3 @@ class PlainDrafter(Drafter):
             stop += 1
         return torch.stack(tokens, dim=1), (torch.stack(qs, dim=1) if qs else None)
 
-
-def make_drafter(draft, target, sampling: SamplingConfig) -> Drafter:
-    """The drafter of `draft`: its own (`draft.make_drafter`) when its class has one, else a plain drafter."""
-    own = getattr(draft, "make_drafter", None)
-    return own(target, sampling) if own is not None else PlainDrafter(draft, target, sampling)

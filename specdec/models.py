@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from specdec import eagle3, vocab
+from specdec import draft_registry
 
 log = logging.getLogger(__name__)
 
@@ -128,61 +128,30 @@ def resolve_path(name_or_path: str) -> str:
     return str(embedded_checkpoint()) if is_embedded(name_or_path) else name_or_path
 
 
-def _declared_reduced_vocab(path: str) -> int | None:
-    config_file = Path(path) / "config.json"
-    if not config_file.is_file():
-        return None
-    return json.loads(config_file.read_text()).get(vocab.CONFIG_KEY)
-
-
-def _local_reduced_draft(name: str) -> str | None:
-    """A Hub-hosted draft that AutoModelForCausalLM cannot load (a reduced-vocabulary head, an EAGLE-3 draft),
-    downloaded whole so that its id map and weights can be read; None for anything else."""
+def _hub_snapshot(name: str) -> str | None:
+    """A Hub-hosted draft whose kind loads it itself (a reduced-vocabulary head, an EAGLE-3 draft: not what
+    AutoModelForCausalLM reads), downloaded whole so that its id map and weights can be read; None for anything else."""
     if Path(name).exists():
         return None
     try:
         from huggingface_hub import hf_hub_download, snapshot_download
 
         config = json.loads(Path(hf_hub_download(name, "config.json")).read_text())
-        own_loader = vocab.CONFIG_KEY in config or eagle3.is_eagle3_config(config)
-        return snapshot_download(name) if own_loader else None
+        return snapshot_download(name) if draft_registry.of_config(config, name).needs_snapshot(config) else None
     except Exception:  # noqa: BLE001 - offline or not a Hub repo: from_pretrained reports the real error
         return None
 
 
-def _load_reduced(path: str, dtype: torch.dtype) -> torch.nn.Module:
-    from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(path)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    vocab.apply_reduced_head(model, vocab.load_vocab_map(path))
-    state: dict[str, torch.Tensor] = {}
-    for file in sorted(Path(path).glob("*.safetensors")):
-        if file.name != vocab.VOCAB_MAP_FILE:
-            state.update(load_file(str(file)))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or [m for m in missing if not m.endswith("rotary_emb.inv_freq")]:
-        raise ValueError(f"{path}: checkpoint does not match its config (missing {missing}, unexpected {unexpected})")
-    return model
-
-
 def load_model(name_or_path: str, dtype: str | torch.dtype | None = "auto", device: str | torch.device | None = "auto"):
-    """Load a causal LM by Hub id, local path or the embedded alias; reduced-vocabulary and EAGLE-3 drafts included."""
+    """Load a causal LM by Hub id, local path or the embedded alias; every registered kind of draft included
+    (its kind loads it: specdec/draft_registry.py)."""
     device = device if isinstance(device, torch.device) else resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
     path = resolve_path(name_or_path)
-    path = _local_reduced_draft(path) or path
-    eagle3.check_not_old_feature_draft(path)
+    path = _hub_snapshot(path) or path
+    kind = draft_registry.of_checkpoint(path)
     try:
-        if eagle3.is_eagle3_dir(path):
-            model = eagle3.Eagle3Draft.from_pretrained(path, torch_dtype)
-        elif _declared_reduced_vocab(path) is not None:
-            model = _load_reduced(path, torch_dtype)
-        else:
-            from transformers import AutoModelForCausalLM
-
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        model = kind.load(path, torch_dtype)
     except OSError as err:
         raise ValueError(
             f"could not load model {name_or_path!r}: {err}. Pass a local checkpoint folder, a Hub id reachable "
@@ -224,12 +193,11 @@ def load_tokenizer(name_or_path: str):
 
 
 def save_model(model: torch.nn.Module, tokenizer, out_dir: str | Path, **save_options) -> Path:
-    """Save a model (and tokenizer) as a plain transformers checkpoint, with the id map for reduced drafts;
-    `save_options` go to the model's own save_pretrained (an EAGLE-3 draft's format, for instance)."""
+    """Save a model (and tokenizer) as its kind saves it (a plain draft: a transformers checkpoint, with the id map
+    when reduced); `save_options` go to the kind's `save` (format, context, state_dict: specdec/draft_kind.py)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, **save_options)
-    vocab.save_vocab_map(model, out_dir)
+    draft_registry.of_model(model).save(model, out_dir, **save_options)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
     return out_dir

@@ -1,7 +1,8 @@
 """Teacher-forced replay: how many tokens per round would a draft give on the target's own outputs?
 
 Used by the trainer's held-out evaluation, `specdec eval`'s choice of k and `bench/distill.py --score`; every kind
-of draft enters through `replay_runs` (and `target_states` for what it reads from the target besides tokens).
+of draft enters through `replay_runs` (and `target_states` for what it reads from the target besides tokens), which
+ask the draft's kind (specdec/draft_kind.py) for its ranks (specdec/ranks.py).
 
 Method (greedy speculative decoding, exact when the held-out completion is the target's greedy output):
 let agree[i] say whether the draft's argmax at completion position i (given the prompt and the true
@@ -28,6 +29,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import torch
+
+from specdec import draft_registry
 
 
 def greedy_rounds(agree: Sequence[bool], k: int) -> tuple[int, int]:
@@ -108,29 +111,8 @@ def tau_from_runs(runs: Iterable[Sequence[int]], ks: Iterable[int] = range(1, 9)
 
 
 def target_states(draft, target, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor | None:
-    """What `draft` reads from `target` besides the tokens, for `replay_runs`: None for a plain draft."""
-    read = getattr(draft, "read_target", None)
-    return None if read is None else read(target, input_ids, attention_mask)
-
-
-RANK_CAP = 8  # ranks are kept up to the top 8; RANK_CAP means "not in the draft's top 8" (or not in its vocabulary)
-
-
-def true_token_ranks(logits: torch.Tensor, tokens: torch.Tensor, id_map: torch.Tensor | None,
-                     cap: int = RANK_CAP) -> torch.Tensor:
-    """Rank of each target token among a draft's logits (0 = its first choice), `cap` beyond the top cap - 1 or
-    outside a reduced vocabulary (`id_map`: draft row -> target id).  logits [..., V_draft], tokens [...] -> [...]"""
-    if id_map is None:
-        local, inside = tokens.clamp(max=logits.shape[-1] - 1), tokens < logits.shape[-1]
-    else:
-        id_map = id_map.to(tokens.device)
-        inverse = torch.full((int(max(id_map.max(), tokens.max())) + 1,), -1, dtype=torch.long, device=tokens.device)
-        inverse[id_map] = torch.arange(id_map.numel(), device=tokens.device)
-        local = inverse[tokens]
-        inside = local >= 0
-    true_logit = logits.gather(-1, local.clamp(min=0)[..., None])
-    rank = (logits > true_logit).sum(-1).clamp(max=cap)
-    return torch.where(inside, rank, torch.full_like(rank, cap))
+    """What `draft` reads from `target` besides the tokens, for `replay_runs` (None for a plain draft)."""
+    return draft_registry.of_model(draft).target_states(draft, target, input_ids, attention_mask)
 
 
 @torch.no_grad()
@@ -139,20 +121,8 @@ def replay_ranks(draft, input_ids: torch.Tensor, attention_mask: torch.Tensor, l
     """Per row, for each scored position i (loss_mask: logits position i predicts a completion token): the ranks
     [r_1..r_steps] of the target's tokens i + 1 .. i + steps among the draft's proposals at positions 1..steps of a
     round whose first proposal is token i + 1, the round having accepted the true tokens before (RANK_CAP past the
-    completion's end). A draft class with its own scheme provides `replay_ranks`."""
-    own = getattr(draft, "replay_ranks", None)
-    if own is not None:
-        return own(input_ids, attention_mask, loss_mask, steps, states)
-    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    logits = draft(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits
-    # logits position t proposes token t + 1; a plain draft's j-th proposal of a round is teacher-forced too
-    rank = true_token_ranks(logits[:, :-1], input_ids[:, 1:], getattr(draft, "draft_to_target", None))
-    out = []
-    for row_rank, row_scored in zip(rank.tolist(), loss_mask[:, :-1].tolist()):
-        scored = [r for r, s in zip(row_rank, row_scored) if s]
-        padded = scored + [RANK_CAP] * steps
-        out.append([padded[i : i + steps] for i in range(len(scored))])
-    return out
+    completion's end), as the draft's kind computes them."""
+    return draft_registry.of_model(draft).replay_ranks(draft, input_ids, attention_mask, loss_mask, steps, states)
 
 
 def runs_from_ranks(ranks: Iterable[Sequence[Sequence[int]]], widths: Sequence[int]) -> list[list[int]]:

@@ -1,4 +1,4 @@
-"""EAGLE-3 drafts (specdec/eagle3.py): the computation, exact decoding, the target's states read, the unrolled
+"""EAGLE-3 drafts (specdec/eagle3/): the computation, exact decoding, the target's states read, the unrolled
 training-time test equal to the decoder, save and load; the trainer and eval with draft=eagle3."""
 
 import dataclasses
@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from conftest import ragged_prompts, tiny_llama
 
 from specdec import speculative_generate, target_generate
-from specdec.eagle3 import Eagle3Draft, Eagle3Drafter, HiddenStateRecorder, _HiddenWindow, default_layer_ids
+from specdec.eagle3 import Eagle3Draft, Eagle3Drafter, HiddenStateRecorder, default_layer_ids
+from specdec.eagle3.drafter import _HiddenWindow
 from specdec.eval import proposals
 from specdec.models import load_model
 from specdec.replay import replay_ranks, replay_runs, runs_from_ranks, target_states
@@ -105,7 +106,7 @@ def test_the_forward_is_the_eagle3_computation(target4, random_draft):
     input, or reading other layers, changes it (so the test can fail)."""
     ids = torch.tensor([[5, 17, 33, 8, 91, 40]])
     with torch.no_grad():
-        hidden = random_draft.read_target(target4, ids, torch.ones_like(ids))
+        hidden = target_states(random_draft, target4, ids, torch.ones_like(ids))
         expected = reference_step(random_draft, ids, hidden)
         got = random_draft(ids, hidden, torch.arange(6)[None])[1]
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
@@ -114,7 +115,7 @@ def test_the_forward_is_the_eagle3_computation(target4, random_draft):
         h = q.shape[1] // 2
         q.copy_(torch.cat([q[:, h:], q[:, :h]], 1))
         assert not torch.allclose(swapped(ids, hidden, torch.arange(6)[None])[1], expected, atol=1e-3)
-        other = random_draft.read_target(target4, ids, torch.ones_like(ids)).roll(1, dims=-1)
+        other = target_states(random_draft, target4, ids, torch.ones_like(ids)).roll(1, dims=-1)
         assert not torch.allclose(random_draft(ids, other, torch.arange(6)[None])[1], expected, atol=1e-3)
 
 
@@ -267,6 +268,22 @@ def test_save_load_round_trip_is_exact(target4, tmp_path):
     ids, mask = ragged_prompts(3, VOCAB, seed=4)
     ref = target_generate(target4, ids, mask, max_new_tokens=32)
     assert torch.equal(speculative_generate(target4, loaded, ids, mask, 3, max_new_tokens=32).sequences, ref.sequences)
+
+
+def test_a_null_target_hidden_size_means_the_drafts_own(target4, random_draft, tmp_path):
+    """Issue 30: stock speculators EAGLE-3 checkpoints write `target_hidden_size: null` for a target as wide as the
+    draft, which speculators reads as the draft's hidden_size; specdec reads it so too, in either layout."""
+    for fmt in ("speculators", "engines"):
+        folder = tmp_path / fmt
+        random_draft.save_pretrained(folder, format=fmt, speculators={
+            "verifier": "acme/target", "verifier_architectures": ["LlamaForCausalLM"], "num_draft_tokens": 3})
+        config = json.loads((folder / "config.json").read_text())
+        config["target_hidden_size"] = None
+        (folder / "config.json").write_text(json.dumps(config))
+        loaded = load_model(str(folder), dtype="float64", device="cpu")
+        assert loaded.config.target_hidden_size == random_draft.config.hidden_size
+        for name, value in random_draft.state_dict().items():
+            assert torch.equal(value, loaded.state_dict()[name]), (fmt, name)
 
 
 def test_an_old_feature_draft_gets_a_retraining_hint(tmp_path):

@@ -1,4 +1,4 @@
-"""The chunked attention of EAGLE-3's unrolled training-time test (specdec/eagle3_attention.py): equal to the
+"""The chunked attention of EAGLE-3's unrolled training-time test (specdec/eagle3/attention.py): equal to the
 dense computation it replaces (outputs and gradients), the same `unrolled` outputs, packed documents equal to
 each document alone, and what autograd keeps growing linearly in n."""
 
@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from conftest import tiny_llama
 from transformers.models.llama.modeling_llama import repeat_kv
 
-from specdec import eagle3
 from specdec.eagle3 import Eagle3Draft
-from specdec.eagle3_attention import unrolled_attention
+from specdec.eagle3 import model as eagle3_model
+from specdec.eagle3.attention import unrolled_attention
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
 # The softmax runs in float32 whatever the inputs' dtype (as before): float32 rounding, summed in other orders.
@@ -172,7 +172,7 @@ def test_unrolled_equals_the_dense_implementation_with_gradients(small_draft, mo
         return [o.detach() for o in outs], {k: p.grad.clone() for k, p in draft.named_parameters() if p.grad is not None}
 
     outs, grads = run()
-    monkeypatch.setattr(eagle3, "unrolled_attention", dense_reference)
+    monkeypatch.setattr(eagle3_model, "unrolled_attention", dense_reference)
     ref, ref_grads = run()
     for o, r in zip(outs, ref):
         torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-5)

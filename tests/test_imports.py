@@ -29,9 +29,11 @@ def _within(name: str, package: str) -> bool:
 
 
 def _module_name(path: Path) -> str:
-    """`train/data.py` -> `specdec.train.data` (an `__init__.py` keeps its stem: `specdec.train.__init__`)."""
-    package = next(p for p, folder in FOLDERS.items() if folder == path.parts[-2])
-    return f"{package}.{path.stem}"
+    """`train/data.py` -> `specdec.train.data`, `specdec/eagle3/model.py` -> `specdec.eagle3.model` (an
+    `__init__.py` keeps its stem: `specdec.train.__init__`)."""
+    parts = path.relative_to(ROOT).parts
+    package = next(p for p, folder in FOLDERS.items() if folder == parts[0])
+    return ".".join([package, *parts[1:-1], path.stem])
 
 
 def _source(name: str) -> Path | None:
@@ -65,9 +67,10 @@ def _imports(path: Path):
 
 
 def _project_imports():
-    """(module, imported module, inside a function?) for every import in specdec/, train/ and eval/."""
-    for path in sorted(ROOT.glob("*/*.py")):
-        if path.parts[-2] in FOLDERS.values():
+    """(module, imported module, inside a function?) for every import in specdec/, train/ and eval/ (subpackages
+    included)."""
+    for folder in FOLDERS.values():
+        for path in sorted((ROOT / folder).rglob("*.py")):
             module = _module_name(path)
             for name, nested in _imports(path):
                 yield module, name, nested
@@ -93,7 +96,7 @@ def test_imports_go_one_way():
 def test_nothing_imports_the_folder_names():
     """`from train import x` works from the checkout (its root is on sys.path) and nowhere else."""
     old = [(str(path.relative_to(ROOT)), name) for folder in (*FOLDERS.values(), *USERS)
-           for path in sorted((ROOT / folder).glob("*.py")) for name, _ in _imports(path)
+           for path in sorted((ROOT / folder).rglob("*.py")) for name, _ in _imports(path)
            if name.split(".")[0] in OLD_NAMES]
     assert not old, f"import specdec.train / specdec.eval instead: {old}"
 

@@ -109,7 +109,7 @@ def test_peer_trains_saves_and_replays_in_specdec(world, tmp_path):
     assert not torch.equal(model.fc.weight, before)
     folder = peer.save_peer(model, tmp_path / "peer")
     config = json.loads((folder / "config.json").read_text())
-    assert config["speculators_model_type"] == "eagle3" and config["target_hidden_size"] == 32
+    assert config["speculators_model_type"] == "eagle3" and config["target_hidden_size"] in (None, 32)
     assert config["norm_before_residual"] is True and config["eagle_aux_hidden_state_layer_ids"] == LAYERS
     assert peer.tensor_names(folder) <= peer.VLLM_TENSORS
     assert peer.speculators_agrees(folder, verifier, world["root"] / "heldout", 64) < 1e-4
@@ -117,6 +117,7 @@ def test_peer_trains_saves_and_replays_in_specdec(world, tmp_path):
 
     loaded = load_model(str(folder), dtype="float32", device="cpu")
     assert isinstance(loaded, Eagle3Draft) and loaded.midlayer.norm_before_residual
+    assert loaded.config.target_hidden_size == 32  # null in the peer's config: the draft's hidden size (issue 30)
     assert torch.equal(loaded.draft_to_target, world["keep"].sort().values)
     figures = peer.heldout_figures(folder, world["root"] / "heldout", world["tok"], 64)
     assert set(figures["tau"]) == set(peer.KS) and all(1.0 <= t <= k + 1 for k, t in figures["tau"].items())

@@ -15,6 +15,7 @@ from conftest import tiny_llama, tiny_tokenizer
 from test_eagle3 import LAYERS, fitted_draft
 
 from specdec.models import save_model
+from specdec.replay import target_states
 from specdec.train import publish as pub
 
 speculators_eagle3 = pytest.importorskip("speculators.models.eagle3", reason="speculators 0.9.0 is not installed "
@@ -65,7 +66,7 @@ def test_speculators_loads_the_export_and_computes_specdecs_logits(published):
     assert config["transformer_layer_config"]["model_type"] == "llama"
     ids = torch.tensor([SEQ])
     with torch.no_grad():
-        aux = draft.read_target(target, ids, torch.ones_like(ids))[:, :-1]  # h_0 .. h_{T-1}
+        aux = target_states(draft, target, ids, torch.ones_like(ids))[:, :-1]  # h_0 .. h_{T-1}
         mine = draft(ids[:, 1:], aux, torch.arange(ids.shape[1] - 1)[None])[1][0]
     theirs, model = speculators_logits(folder, aux, SEQ)
     torch.testing.assert_close(theirs, mine, rtol=1e-4, atol=1e-4)
@@ -81,7 +82,7 @@ def test_the_comparison_fails_on_a_wrong_layer_order_or_concatenation(published)
     target, draft, outs = published
     ids = torch.tensor([SEQ])
     with torch.no_grad():
-        aux = draft.read_target(target, ids, torch.ones_like(ids))[:, :-1]
+        aux = target_states(draft, target, ids, torch.ones_like(ids))[:, :-1]
         mine = draft(ids[:, 1:], aux, torch.arange(ids.shape[1] - 1)[None])[1][0]
     hidden = target.config.hidden_size
     reordered = torch.cat([aux[..., 2 * hidden:], aux[..., :2 * hidden]], dim=-1)  # layers (3, 1, 2)

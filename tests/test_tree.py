@@ -10,10 +10,11 @@ from transformers import DynamicCache
 import specdec.tree
 from specdec import SamplingConfig, replay, speculative_generate, target_generate
 from specdec.decode import DecodeStats, TreeTrace
-from specdec.drafter import make_drafter
+from specdec.draft_registry import make_drafter
 from specdec.eagle3 import Eagle3Draft
 from specdec.eval import verify as verify_cmd
 from specdec.kv import Batch, cache_kwarg, forward_masked, keep_path, prefill
+from specdec.ranks import RANK_CAP, true_token_ranks
 from specdec.tree import Tree, TreeSpec, emitted_distribution, sampled_walk, without
 from specdec.vocab import apply_reduced_head
 
@@ -294,12 +295,12 @@ def test_replayed_ranks_predict_a_plain_drafts_tree_rounds(target, near, widths)
 
 def test_ranks_and_top_n_agreement_by_hand():
     logits = torch.tensor([[0.1, 0.9, 0.5, 0.3]])
-    assert replay.true_token_ranks(logits, torch.tensor([1]), None).tolist() == [0]
-    assert replay.true_token_ranks(logits, torch.tensor([3]), None).tolist() == [2]
+    assert true_token_ranks(logits, torch.tensor([1]), None).tolist() == [0]
+    assert true_token_ranks(logits, torch.tensor([3]), None).tolist() == [2]
     # a reduced vocabulary: rows are target ids 10, 11, 12, 13; id 5 is outside it
-    ranks = replay.true_token_ranks(logits.expand(2, 4), torch.tensor([12, 5]), torch.tensor([10, 11, 12, 13]))
-    assert ranks.tolist() == [1, replay.RANK_CAP]
-    ranks = [[[0, 1], [2, 0], [0, replay.RANK_CAP]]]  # the last start has no second completion token
+    ranks = true_token_ranks(logits.expand(2, 4), torch.tensor([12, 5]), torch.tensor([10, 11, 12, 13]))
+    assert ranks.tolist() == [1, RANK_CAP]
+    ranks = [[[0, 1], [2, 0], [0, RANK_CAP]]]  # the last start has no second completion token
     top = replay.top_n_agreement(ranks, ns=(1, 2, 4))
     assert top[0] == {"1": 2 / 3, "2": 2 / 3, "4": 1.0}
     assert top[1] == {"1": 0.5, "2": 1.0, "4": 1.0}

@@ -10,7 +10,6 @@ from pathlib import Path
 
 from accelerate.utils import DistributedType
 
-from specdec import vocab as vocab_lib
 from specdec.models import save_model
 from specdec.train.draft import merged
 
@@ -52,12 +51,8 @@ def export_draft(accelerator, model, tokenizer, out: Path) -> Path:
     if accelerator.is_main_process:
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        if sharded:
-            unwrapped.save_pretrained(tmp, state_dict=state)
-            vocab_lib.save_vocab_map(unwrapped, tmp)
-            tokenizer.save_pretrained(tmp)
-        else:
-            save_model(merged(unwrapped), tokenizer, tmp)
+        # the gathered state of the sharded model, or the model itself (LoRA merged), saved by its kind
+        save_model(unwrapped if sharded else merged(unwrapped), tokenizer, tmp, state_dict=state)
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)
     accelerator.wait_for_everyone()

@@ -12,10 +12,11 @@ as the decoder proposes: specdec/replay.py) and keep the best tau at `best_k` in
 (accelerator.save_state) go to output_dir/checkpoints/step-N (train/checkpoints.py); the final draft to
 output_dir/final/. `.item()` happens only at log and eval steps.
 
-Each kind of draft owns its construction, teacher signal, loss and held-out figures: token-only drafts in
-train/plain_train.py (online, offline or on-policy teacher), EAGLE-3 drafts (draft=eagle3: they read the target's
-hidden states, read per batch from the data stage's recording or computed per batch, and train on unrolled proposals) in
-train/eagle3_train.py. The loop never asks which kind it holds.
+Each kind of draft owns its construction, teacher signal, loss and held-out figures, in the training entry point
+its kind names (specdec/draft_kind.py: TrainingFacts): token-only drafts in train/plain_train.py (online, offline
+or on-policy teacher), EAGLE-3 drafts (draft=eagle3: they read the target's hidden states, read per batch from the
+data stage's recording or computed per batch, and train on unrolled proposals) in train/eagle3_train.py. The loop
+never asks which kind it holds.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object, set_seed
 from tqdm.auto import tqdm
 
+from specdec import draft_registry
 from specdec.config import config_from_cli, help_text, to_dict
 from specdec.models import EMBEDDED_TARGET, load_model, load_tokenizer, resolve_mixed_precision
 from specdec.tokens import tokenizer_pad_id
@@ -53,10 +55,8 @@ from specdec.train.batches import (
 from specdec.train.budget import CosineToEnd, TimeBudget, check_minutes
 from specdec.train.checkpoints import ConsumedLog, export_draft, latest_checkpoint, save_checkpoint
 from specdec.train.data import read_manifest
-from specdec.train.draft import DEFAULT_LORA_MODULES, DERIVED, EAGLE3, SCRATCH
+from specdec.train.draft import DEFAULT_LORA_MODULES, DERIVED, SCRATCH
 from specdec.train.eagle3_states import SOURCES as STATES_SOURCES
-from specdec.train.eagle3_train import Eagle3Training
-from specdec.train.plain_train import PlainTraining
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class TrainConfig:
     # Keep the head (the target's rows) fixed: the draft learns to land in the target's final hidden space,
     # so ids rare in the training data keep the target's own output directions.
     freeze_head: bool = False
-    # draft=eagle3 (specdec/eagle3.py): the target layers whose residual streams it reads, counted as vLLM's
+    # draft=eagle3 (specdec/eagle3/): the target layers whose residual streams it reads, counted as vLLM's
     # eagle_aux_hidden_state_layer_ids (after i layers); [] = the engines' default (2, N // 2, N - 3)
     eagle_aux_layer_ids: list[int] = field(default_factory=list)
     ttt_steps: int = 3  # training-time test: proposals unrolled per position (EAGLE-3's scheme; 1 = the first only)
@@ -166,45 +166,30 @@ class TrainConfig:
         if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):
             raise ValueError(f"mixed_precision must be auto, no, bf16 or fp16, got {self.mixed_precision!r}")
         for name in ("max_steps", "per_device_batch_size", "grad_accum_steps", "max_length", "eval_batch_size",
-                     "log_every", "keep_checkpoints", "on_policy_max_new_tokens"):
+                     "log_every", "keep_checkpoints", "on_policy_max_new_tokens", "ttt_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         check_minutes(self.max_minutes)
-        if self.data_workers < 0:
-            raise ValueError(f"data_workers must be >= 0, got {self.data_workers}")
-        if self.warmup_steps < 0 or self.eval_every < 0 or self.save_every < 0:
-            raise ValueError("warmup_steps, eval_every and save_every must be >= 0")
+        if min(self.warmup_steps, self.eval_every, self.save_every, self.data_workers) < 0:
+            raise ValueError("warmup_steps, eval_every, save_every and data_workers must be >= 0")
         if self.draft_vocab_size < -1:
             raise ValueError(f"draft_vocab_size must be N >= 1, 0 (the full vocabulary) or -1 (auto), got "
                              f"{self.draft_vocab_size}")
         if not self.eval_k or min(self.eval_k) < 1 or self.best_k not in self.eval_k:
             raise ValueError(f"eval_k must list k >= 1 and include best_k={self.best_k}, got {self.eval_k}")
-        if self.draft == "feature":
-            raise ValueError("draft: feature (specdec's earlier feature-conditioned layout) is replaced by draft: "
-                             "eagle3, which vLLM and SGLang serve; see recipes/smollm2-135m-eagle3.yaml")
-        if self.draft == EAGLE3:
-            if self.teacher == "on_policy":
-                raise ValueError("draft=eagle3 trains with teacher=offline or online (its unrolled steps already "
-                                 "show it its own proposals); on_policy is for token-only drafts")
-            if self.lora:
-                raise ValueError("draft=eagle3 is a new small module: train it fully (lora=false)")
-            if self.states not in STATES_SOURCES:
-                raise ValueError(f"states must be one of {', '.join(STATES_SOURCES)}, got {self.states!r}")
-            if self.ttt_steps < 1 or not 0.0 < self.ttt_decay <= 1.0:
-                raise ValueError(f"ttt_steps must be >= 1 and ttt_decay in (0, 1], got {self.ttt_steps} and "
-                                 f"{self.ttt_decay}")
-        elif self.pack:
-            raise ValueError("pack=true is for draft=eagle3 (a plain draft is a transformers model whose attention "
-                             "would cross the packed samples' boundaries)")
-        elif self.eagle_aux_layer_ids:
-            raise ValueError("eagle_aux_layer_ids is for draft=eagle3 (a token-only draft reads no hidden states)")
+        if self.states not in STATES_SOURCES:
+            raise ValueError(f"states must be one of {', '.join(STATES_SOURCES)}, got {self.states!r}")
+        if not 0.0 < self.ttt_decay <= 1.0:
+            raise ValueError(f"ttt_decay must be in (0, 1], got {self.ttt_decay}")
+        draft_lib.check_kind(self)
         if self.lora and self.draft in (DERIVED, SCRATCH):
             log.warning("lora=true on a %s draft: usually a full fine-tune is better for new layer stacks", self.draft)
 
     @property
     def needs_target(self) -> bool:
         """The target runs in the loop: for its logits (online teacher) or its hidden states (an EAGLE-3 draft)."""
-        return self.teacher in ("online", "on_policy") or self.draft == EAGLE3
+        kind = draft_registry.for_recipe(self.draft)  # specdec/draft_kind.py: TrainingFacts
+        return self.teacher in ("online", "on_policy") or kind.training.reads_target_states
 
 
 def _wandb_run(cfg: TrainConfig):
@@ -233,13 +218,12 @@ class Distiller:
         self.main, self.rank, self.world, self.device = (acc.is_main_process, acc.process_index,
                                                          acc.num_processes, acc.device)
         log.info("device %s, %d process(es), mixed precision %s", self.device, self.world, acc.mixed_precision)
-        if cfg.lora and acc.distributed_type.value in ("FSDP", "DEEPSPEED"):
+        sharded = acc.distributed_type.value in ("FSDP", "DEEPSPEED")
+        if cfg.lora and sharded:
             raise ValueError("lora=true is supported with single-process or DDP launches (recipes/accelerate/"
                              "single_gpu.yaml, multi_gpu.yaml); use a full fine-tune with FSDP / DeepSpeed")
-        if cfg.draft == EAGLE3 and acc.distributed_type.value in ("FSDP", "DEEPSPEED"):
-            # The draft is one decoder layer plus a head: it fits whole on every device, and its loss and held-out
-            # replay call the module outside its wrapped forward, which sharded parameters do not allow.
-            raise ValueError("draft=eagle3 trains with DDP (accelerate launch --config_file recipes/accelerate/"
+        if sharded and draft_registry.for_recipe(cfg.draft).training.replicated:
+            raise ValueError(f"draft={cfg.draft} trains with DDP (accelerate launch --config_file recipes/accelerate/"
                              "multi_gpu.yaml), not FSDP or DeepSpeed: the draft is small enough to be replicated")
         set_seed(cfg.seed)
         self.out = Path(cfg.output_dir)
@@ -284,12 +268,11 @@ class Distiller:
         if cfg.needs_target or cfg.draft in (DERIVED, SCRATCH):
             target = load_model(cfg.target, dtype=cfg.dtype, device=self.device if cfg.needs_target else "cpu")
             target.requires_grad_(False)
-        if cfg.draft == EAGLE3:
-            train_paths, heldout_path = data_folders(cfg)
-            self.kind = Eagle3Training(cfg, target, self.tokenizer, self.draft_vocabulary, self.device,
-                                       self.accelerator.autocast, train_paths + ([heldout_path] if heldout_path else []))
-        else:
-            self.kind = PlainTraining(cfg, target, self.tokenizer, self.draft_vocabulary, self.device)
+        train_paths, heldout_path = data_folders(cfg)
+        # the draft kind's training entry point (specdec/draft_kind.py: TrainingFacts.entry) builds the draft
+        self.kind = draft_lib.start_training(cfg, target, self.tokenizer, self.draft_vocabulary, self.device,
+                                             autocast=self.accelerator.autocast,
+                                             folders=train_paths + ([heldout_path] if heldout_path else []))
         self.model = self.kind.model
         self.model.train()
 

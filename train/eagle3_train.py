@@ -28,7 +28,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from specdec.compat import check_compatible
-from specdec.eagle3 import Eagle3Draft, positions_in_documents
+from specdec.eagle3 import Eagle3Draft, positions_in_documents, unrolled_ranks
 from specdec.replay import runs_from_ranks, tau_from_runs
 from specdec.train import losses
 from specdec.train.batches import place
@@ -138,7 +138,7 @@ def evaluate_part(draft, states, chunks, ks: Sequence[int]) -> dict[str, list]:
     ranks, alphas = [], []
     for rows, batch in chunks:
         full = states.complete(batch, states.read(rows, batch["input_ids"].shape[1]))[..., hidden:]
-        ranks += draft.replay_ranks(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], max(ks), full)
+        ranks += unrolled_ranks(draft, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], max(ks), full)
         if "top_ids" in batch:
             first = draft.unrolled(batch["input_ids"], full, batch["attention_mask"], 1)[0]
             mask = batch["loss_mask"][:, 1:].bool()

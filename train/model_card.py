@@ -40,10 +40,12 @@ class CardInfo:
     data: str | None = None
     license: str = "apache-2.0"
     model_on_hub: bool = False  # model_ref is a Hub repo id (the export was pushed)
-    method: str = "draft_model"  # vLLM's speculative method: draft_model (a plain causal LM) or eagle3
+    # The draft kind's facts (specdec/draft_kind.py: vllm_method, sglang_algorithm, maps_vocabulary, card_facts)
+    method: str = "draft_model"  # vLLM's speculative method: draft_model (a plain causal LM), eagle3, ...
     sglang_algorithm: str = "STANDALONE"  # SGLang's --speculative-algorithm
-    layer_ids: list[int] = dataclasses.field(default_factory=list)  # EAGLE-3: the target layers read (vLLM's count)
-    format: str = "engines"  # EAGLE-3 layout: engines (vLLM + SGLang) or speculators (speculators + vllm serve DIR)
+    engines_map_vocabulary: bool = False  # the engines read a reduced vocabulary's map themselves (EAGLE-3's d2t)
+    layer_ids: list[int] = dataclasses.field(default_factory=list)  # the target layers an EAGLE-3 draft reads
+    format: str = "engines"  # the kind's layout: EAGLE-3's engines (vLLM + SGLang) or speculators
 
     def __post_init__(self) -> None:
         if self.head not in ("full", "reduced", "expanded"):
@@ -144,7 +146,7 @@ def _head_section(info: CardInfo) -> list[str]:
     if info.head == "full":
         return []
     n, v = info.draft_vocab_size, info.vocab_size
-    if info.method == "eagle3":  # the engines read the map themselves
+    if info.engines_map_vocabulary:
         return ["## Reduced vocabulary", "",
                 f"The LM head scores {n:,} of the {v:,} target ids, the most frequent in the training completions. "
                 "`d2t` maps them as vLLM and SGLang read it (target id = draft id + d2t[draft id], draft ids in "
@@ -201,15 +203,14 @@ def _head_section(info: CardInfo) -> list[str]:
     return lines + [""]
 
 
-def _snippets(info: CardInfo, k: int, tree: str | None = None) -> list[str]:
-    """Usage snippets; `tree`: the draft tree the report measured in specdec's decoder (the engines run a chain)."""
-    draft, target = info.model_ref, info.target_ref
+def _specdec_lines(info: CardInfo, k: int, tree: str | None) -> list[str]:
+    """specdec's CLI and Python snippets (a local copy first where specdec reads files a Hub load would not)."""
+    draft = info.model_ref
     q = json.dumps  # Python string literals in double quotes, like the rest of the snippets
-    # specdec reads a reduced draft's id map from a local folder: download a Hub copy first.
-    local = (info.head == "reduced" or info.method == "eagle3") and info.model_on_hub
+    local = (info.head == "reduced" or info.engines_map_vocabulary) and info.model_on_hub
     cli_draft = f"drafts/{draft.split('/')[-1]}" if local else draft
     py_draft = f"snapshot_download({q(draft)})" if local else q(draft)
-    specdec_lines = [
+    return [
         "### specdec",
         "",
         "```bash",
@@ -234,11 +235,22 @@ def _snippets(info: CardInfo, k: int, tree: str | None = None) -> list[str]:
         "```",
         "",
     ]
-    if info.method == "eagle3":
-        return _eagle3_usage(info, k, q) + specdec_lines
+
+
+def _snippets(info: CardInfo, k: int, tree: str | None = None) -> list[str]:
+    """Usage snippets; `tree`: the draft tree the report measured in specdec's decoder (the engines run a chain)."""
+    specdec_lines = _specdec_lines(info, k, tree)
+    if info.layer_ids:  # a draft that reads the target's hidden states: the engines' EAGLE-3 path
+        return _eagle3_usage(info, k, json.dumps) + specdec_lines
     if info.head == "reduced":
         return ["## Usage", "", "Only specdec can run this export (see the warning above).", ""] + specdec_lines
-    vllm_config = json.dumps({"model": draft, "method": "draft_model", "num_speculative_tokens": k})
+    return _token_usage(info, k, json.dumps) + specdec_lines
+
+
+def _token_usage(info: CardInfo, k: int, q) -> list[str]:
+    """How transformers, vLLM and SGLang run a draft that reads tokens only."""
+    draft, target = info.model_ref, info.target_ref
+    vllm_config = json.dumps({"model": draft, "method": info.method, "num_speculative_tokens": k})
     return [
         "## Usage",
         "",
@@ -266,15 +278,15 @@ def _snippets(info: CardInfo, k: int, tree: str | None = None) -> list[str]:
         *_vllm_lines(target, vllm_config, q),
         "### SGLang (standalone draft model)",
         "",
-        *_sglang_lines(target, draft, "STANDALONE", k),
+        *_sglang_lines(target, draft, info.sglang_algorithm, k),
         "",
-    ] + specdec_lines
+    ]
 
 
 def _eagle3_usage(info: CardInfo, k: int, q) -> list[str]:
     """How vLLM and SGLang (engines layout) or speculators and `vllm serve` (speculators layout) run this draft."""
     draft, target = info.model_ref, info.target_ref
-    vllm_config = json.dumps({"method": "eagle3", "model": draft, "num_speculative_tokens": k})
+    vllm_config = json.dumps({"method": info.method, "model": draft, "num_speculative_tokens": k})
     ids = info.layer_ids
     lines = [
         "## Usage",

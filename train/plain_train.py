@@ -18,7 +18,8 @@ from transformers import DynamicCache
 from specdec.compat import check_compatible
 from specdec.kv import cache_kwarg
 from specdec.models import load_tokenizer
-from specdec.replay import simulated_tau, true_token_ranks
+from specdec.ranks import true_token_ranks
+from specdec.replay import simulated_tau
 from specdec.tokens import tokenizer_pad_id
 from specdec.train import draft as draft_lib
 from specdec.train import losses

@@ -49,7 +49,7 @@ from specdec.eagle3 import (
     default_layer_ids,
     draft_config,
 )
-from specdec.eagle3_attention import chunk_size
+from specdec.eagle3.attention import chunk_size
 from specdec.models import is_embedded, resolve_device, resolve_dtype, resolve_mixed_precision
 from specdec.train.batches import data_folders
 from specdec.train.data import DataConfig
@@ -208,7 +208,7 @@ def eagle3_activations(batch: int, length: int, steps: int, w: Widths, draft_voc
     the peak); beyond one chunk, each step keeps only its chunks' inputs (the output rows, the teacher's input
     rows or stored top-n) and one chunk at a time peaks at 41 V per row, in the forward and again when backward
     recomputes it. The backward of the last step's MLP adds three [I] float32 gradients.
-    The attention (specdec/eagle3_attention.py) scores C queries at a time against up to n keys in float32: its
+    The attention (specdec/eagle3/attention.py) scores C queries at a time against up to n keys in float32: its
     backward holds four such [B, heads, C, n] blocks (the recomputed softmax, two zero-padded slice gradients, a
     bmm's gradient; under half autocast three float32 ones: the softmax, its gradient cast back to float32 and
     softmax's backward), while the step's MLP part is already freed and each step's output gradient [P, H] waits.

@@ -8,9 +8,10 @@ The output folder holds safetensors weights, config, tokenizer and README.md. A 
 `AutoModelForCausalLM.from_pretrained` and serves as a draft in transformers (`assistant_model=`), vLLM
 (`speculative_config={"model": OUT, "method": "draft_model", ...}`) and SGLang (`--speculative-algorithm
 STANDALONE`); its reduced-vocabulary head is exported with its id map (specdec only) unless
-`full_vocab_head=true` expands it to the full vocabulary (see `expand_head`). An EAGLE-3 draft is written in
-the layout vLLM (`"method": "eagle3"`) and SGLang (`--speculative-algorithm EAGLE3`) both load, its reduced
-vocabulary as the engines' d2t (specdec/eagle3.py). OUT is written to a temporary folder and renamed.
+`full_vocab_head=true` expands it to the full vocabulary (see `expand_head`). Every other kind of draft is written
+by its kind (specdec/draft_kind.py) in one of its layouts (`format=`): an EAGLE-3 draft in the layout vLLM
+(`"method": "eagle3"`) and SGLang (`--speculative-algorithm EAGLE3`) both load, or speculators', its reduced
+vocabulary as the engines' d2t (specdec/eagle3/formats.py). OUT is written to a temporary folder and renamed.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ from pathlib import Path
 import torch
 
 import specdec
-from specdec import models, vocab
+from specdec import draft_registry, models, vocab
 from specdec.compat import check_compatible
 from specdec.config import config_from_cli, read_recipe, split_cli
+from specdec.draft_kind import DraftKind, PublishContext
 from specdec.train.model_card import LEAK_WARNING, CardInfo, num_draft_tokens, render_card
 
 log = logging.getLogger(__name__)
@@ -62,8 +64,9 @@ class PublishConfig:
     license: str = "apache-2.0"  # the card's license: match the target's
     overwrite: bool = False  # replace a non-empty OUT
     dtype: str = "auto"  # export dtype; auto keeps the checkpoint's own
-    # An EAGLE-3 draft's layout: engines (what vLLM `"method": "eagle3"` and SGLang `EAGLE3` load) or speculators
-    # (vLLM speculators' own format: `vllm serve OUT` detects it, speculators' Eagle3DraftModel loads it).
+    # The layout, one of the draft kind's (specdec/draft_kind.py: formats). An EAGLE-3 draft's: engines (what vLLM
+    # `"method": "eagle3"` and SGLang `EAGLE3` load) or speculators (vLLM speculators' own format: `vllm serve OUT`
+    # detects it, speculators' Eagle3DraftModel loads it); a plain draft's: engines (a transformers checkpoint).
     format: str = "engines"
 
     def __post_init__(self) -> None:
@@ -75,8 +78,9 @@ class PublishConfig:
             raise ValueError("license must be a Hub license id such as apache-2.0, mit or other")
         if self.dtype != "auto":
             models.resolve_dtype(self.dtype)  # raises with the valid names
-        if self.format not in ("engines", "speculators"):
-            raise ValueError(f"format must be engines or speculators, got {self.format!r}")
+        known = sorted({f for name in draft_registry.names() for f in draft_registry.get(name).formats})
+        if self.format not in known:
+            raise ValueError(f"format must be one of {', '.join(known)}, got {self.format!r}")
         if self.push_to_hub is not None:
             from huggingface_hub.utils import validate_repo_id
 
@@ -314,13 +318,11 @@ def publish(cfg: PublishConfig) -> Path:
     dtype = _checkpoint_dtype(draft_dir) if cfg.dtype == "auto" else models.resolve_dtype(cfg.dtype)
     log.info("loading draft %s (%s)", draft_dir, dtype)
     model = models.load_model(str(draft_dir), dtype=dtype, device="cpu")
-    # A draft class the engines run by its own method (EAGLE-3) says so, and reads its reduced vocabulary there;
-    # a plain causal LM is vLLM's `draft_model`, and only specdec reads its id map.
-    method = getattr(model, "vllm_method", "draft_model")
-    head, num_kept, expansion = _prepare_head(cfg, model, tokenizer, method)
-    save_options = _save_options(cfg, method, model, target, report)
+    kind = draft_registry.of_model(model)  # its engine method, layouts and card facts
+    head, num_kept, expansion = _prepare_head(cfg, model, tokenizer, kind)
+    save_options = _save_options(cfg, kind, target, report)
     _fill_generation_config(model, tokenizer)
-    info = _card_info(cfg, out, model, target, dtype, head, num_kept, expansion, method)
+    info = _card_info(cfg, out, model, target, dtype, (head, num_kept, expansion), kind)
     provenance = {"source": str(draft_dir), "target": target, "recipe": info.recipe, "data": info.data,
                   "head": head, "draft_vocab_size": num_kept, "expansion": expansion,
                   "specdec_version": specdec.__version__}
@@ -345,13 +347,13 @@ def _target_of(cfg: PublishConfig, report: dict | None) -> str:
     return target
 
 
-def _prepare_head(cfg: PublishConfig, model, tokenizer, method: str) -> tuple[str, int | None, dict | None]:
+def _prepare_head(cfg: PublishConfig, model, tokenizer, kind: DraftKind) -> tuple[str, int | None, dict | None]:
     """The head to publish: full, reduced (with its id map) or expanded from a reduced one (--full-vocab-head,
-    checked to keep greedy proposals). Returns (head, kept ids or None, the expansion's check or None)."""
+    checked to keep greedy proposals; not for a kind whose engines read its reduced vocabulary themselves).
+    Returns (head, kept ids or None, the expansion's check or None)."""
     keep = vocab.draft_to_target_map(model)
     num_kept = None if keep is None else int(keep.numel())
-    engines_map_ids = method != "draft_model"
-    if keep is not None and cfg.full_vocab_head and not engines_map_ids:
+    if keep is not None and cfg.full_vocab_head and not kind.maps_vocabulary:
         reduced_weight = model.get_output_embeddings().weight.detach().clone()
         keep = expand_head(model)
         expansion = check_expansion(model, reduced_weight, keep, _sample_ids(tokenizer, model.config.vocab_size))
@@ -365,52 +367,40 @@ def _prepare_head(cfg: PublishConfig, model, tokenizer, method: str) -> tuple[st
         return "expanded", num_kept, expansion
     if cfg.full_vocab_head:
         log.info("full_vocab_head changes nothing here: %s", "the draft's head is already full" if keep is None
-                 else f"the engines map this {method} draft's {num_kept} ids themselves")
-    elif keep is not None and not engines_map_ids:
+                 else f"the engines map this {kind.name} draft's {num_kept} ids themselves")
+    elif keep is not None and not kind.maps_vocabulary:
         log.warning("exporting the reduced head (%d ids) with its id map: only specdec loads it; pass "
                     "--full-vocab-head for transformers, vLLM and SGLang", num_kept)
     return ("full" if keep is None else "reduced"), num_kept, None
 
 
-def _save_options(cfg: PublishConfig, method: str, model, target: str, report: dict | None) -> dict:
-    """models.save_model's options: the speculators layout when asked (EAGLE-3 drafts only)."""
-    if cfg.format != "speculators":
-        return {}
-    if method != "eagle3":
-        raise ValueError("format=speculators is a layout of EAGLE-3 drafts; a plain draft is published as a "
-                         "transformers checkpoint (drop format=)")
-    return {"format": "speculators", "speculators": {
-        "verifier": _base_model(target) or str(Path(models.resolve_path(target)).resolve()),
-        "verifier_architectures": list(getattr(model.config, "target_architectures", None) or
-                                       ["LlamaForCausalLM"]),
-        "num_draft_tokens": num_draft_tokens(report)}}
+def _save_options(cfg: PublishConfig, kind: DraftKind, target: str, report: dict | None) -> dict:
+    """models.save_model's options: the kind's layout `cfg.format` and what a layout may name (the verifier)."""
+    if cfg.format not in kind.formats:
+        raise ValueError(f"format={cfg.format} is not a layout of {kind.name} drafts ({', '.join(kind.formats)}): "
+                         "drop format= to publish the default")
+
+    def verifier() -> str:  # resolving the embedded target converts it: only when a layout names it
+        return _base_model(target) or str(Path(models.resolve_path(target)).resolve())
+
+    return {"format": cfg.format, "context": PublishContext(verifier, num_draft_tokens(report))}
 
 
-def _card_info(cfg: PublishConfig, out: Path, model, target: str, dtype, head: str, num_kept: int | None,
-               expansion: dict | None, method: str) -> CardInfo:
+def _card_info(cfg: PublishConfig, out: Path, model, target: str, dtype, head_facts: tuple, kind: DraftKind) -> CardInfo:
+    """The card's facts: the checkpoint's, the head's (head, kept ids, expansion check) and the kind's."""
+    head, num_kept, expansion = head_facts
     return CardInfo(
-        name=cfg.push_to_hub or out.name,
-        model_ref=cfg.push_to_hub or str(out),
-        target=target,
-        target_ref=_base_model(target) or target,
-        base_model=_base_model(target),
+        name=cfg.push_to_hub or out.name, model_ref=cfg.push_to_hub or str(out), target=target,
+        target_ref=_base_model(target) or target, base_model=_base_model(target),
         architecture=(model.config.architectures or [type(model).__name__])[0],
-        num_layers=int(model.config.num_hidden_layers),
-        hidden_size=int(model.config.hidden_size),
-        num_parameters=sum(p.numel() for p in model.parameters()),
-        dtype=str(dtype).removeprefix("torch."),
+        num_layers=int(model.config.num_hidden_layers), hidden_size=int(model.config.hidden_size),
+        num_parameters=sum(p.numel() for p in model.parameters()), dtype=str(dtype).removeprefix("torch."),
         vocab_size=int(model.get_input_embeddings().num_embeddings),
-        head=head,
-        draft_vocab_size=num_kept,
-        expansion=expansion,
-        recipe=cfg.recipe,
-        data=cfg.data or _recipe_data(cfg.recipe),
-        license=cfg.license.strip(),
-        model_on_hub=cfg.push_to_hub is not None,
-        method=method,
-        sglang_algorithm=getattr(model, "sglang_algorithm", "STANDALONE"),
-        layer_ids=list(getattr(model, "layer_ids", []) or []),
-        format=cfg.format,
+        head=head, draft_vocab_size=num_kept, expansion=expansion,
+        recipe=cfg.recipe, data=cfg.data or _recipe_data(cfg.recipe), license=cfg.license.strip(),
+        model_on_hub=cfg.push_to_hub is not None, format=cfg.format,
+        method=kind.vllm_method, sglang_algorithm=kind.sglang_algorithm, engines_map_vocabulary=kind.maps_vocabulary,
+        **kind.card_facts(model),
     )
 
 

@@ -14,7 +14,7 @@ This is what vLLM 0.32's `Eagle3LlamaForCausalLM` computes (vllm/model_executor/
 what SGLang's `LlamaForCausalLMEagle3` loads; the layer ids count "after i decoder layers", as vLLM's
 `eagle_aux_hidden_state_layer_ids` does (default (2, N // 2, N - 3)). The weights keep the engines' names
 (`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`, `embed_tokens`), so a checkpoint saved here is served
-unchanged (train/publish.py writes the engines' config keys).
+unchanged (specdec/eagle3/formats.py writes the engines' config keys).
 
 Later proposals of a round read the draft's own pre-norm output instead of fc's (`from_target=False`). Training
 unrolls those steps ("training-time test") with an attention that costs each step the same (`unrolled`).
@@ -22,7 +22,6 @@ unrolls those steps ("training-time test") with an attention that costs each ste
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -37,20 +36,8 @@ from transformers.models.llama.modeling_llama import (
     repeat_kv,
 )
 
-from specdec.drafter import Drafter
-from specdec.eagle3_attention import unrolled_attention
-from specdec.kv import Batch, rollback
-from specdec.replay import RANK_CAP, true_token_ranks
-
-ARCHITECTURE = "LlamaForCausalLMEagle3"  # the name vLLM and SGLang both resolve to their EAGLE-3 Llama draft
-WEIGHTS_FILE = "model.safetensors"
-FORMATS = ("engines", "speculators")  # the published layouts (save_pretrained)
-SPECULATORS_VERSION = "0.9.0"  # the speculators release whose format `format="speculators"` writes
-OLD_FEATURE_FLAG = "specdec_feature_draft"  # specdec's earlier feature-draft layout (replaced by this one)
-# How recorded target states are stored: bf16 keeps float32's range, which the residual streams of large targets
-# need (their outlier dimensions reach magnitudes where float16 loses precision or overflows); the peers store
-# bf16 too. Folders written in float16 by earlier versions still read (every reader casts to float32).
-RECORDED_STATES_DTYPE = torch.bfloat16
+from specdec.eagle3 import formats
+from specdec.eagle3.attention import unrolled_attention
 
 
 def default_layer_ids(num_layers: int) -> list[int]:
@@ -70,27 +57,6 @@ def check_layer_ids(layer_ids, num_layers: int) -> list[int]:
     return ids
 
 
-def is_eagle3_config(config: dict) -> bool:
-    """The engines' layout (architecture LlamaForCausalLMEagle3) or speculators' (speculators_model_type eagle3)."""
-    return ARCHITECTURE in (config.get("architectures") or []) or config.get("speculators_model_type") == "eagle3"
-
-
-def is_eagle3_dir(path: str | Path) -> bool:
-    config = Path(path) / "config.json"
-    return config.is_file() and is_eagle3_config(json.loads(config.read_text()))
-
-
-def check_not_old_feature_draft(path: str | Path) -> None:
-    """The earlier feature-draft layout computes something else: no exact conversion exists, so say how to retrain."""
-    config = Path(path) / "config.json"
-    if config.is_file() and json.loads(config.read_text()).get(OLD_FEATURE_FLAG):
-        raise ValueError(
-            f"{path} is a feature draft in specdec's earlier layout (draft: feature), which no engine serves and "
-            "this version no longer decodes. Its one layer read other inputs, so it cannot be converted exactly: "
-            "retrain it as an EAGLE-3 draft, e.g. `specdec train --config recipes/smollm2-135m-eagle3.yaml` "
-            "(draft: eagle3; the data stage's recorded features are reused)")
-
-
 def draft_config(target_config, layer_ids: list[int], draft_vocab_size: int) -> LlamaConfig:
     """The draft layer's Llama config from the target's (same widths), with the engines' EAGLE-3 keys."""
     text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
@@ -107,7 +73,7 @@ def draft_config(target_config, layer_ids: list[int], draft_vocab_size: int) -> 
         bos_token_id=getattr(text, "bos_token_id", None), eos_token_id=getattr(text, "eos_token_id", None),
         pad_token_id=getattr(text, "pad_token_id", None),
     )
-    config.architectures = [ARCHITECTURE]
+    config.architectures = [formats.ARCHITECTURE]
     config.draft_vocab_size = int(draft_vocab_size)
     config.target_hidden_size = hidden
     config.target_num_hidden_layers = text.num_hidden_layers
@@ -159,11 +125,6 @@ class Eagle3Layer(nn.Module):
 
 class Eagle3Draft(nn.Module):
     """An EAGLE-3 draft over a target (see the module docstring); `draft_to_target` maps its logits to target ids."""
-
-    # How the serving engines run it (train/publish.py and the card read these; a plain causal LM has neither):
-    # vLLM's speculative method, SGLang's algorithm. Both read the reduced vocabulary's d2t themselves.
-    vllm_method = "eagle3"
-    sglang_algorithm = "EAGLE3"
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -269,7 +230,7 @@ class Eagle3Draft(nn.Module):
         unrolled outputs equal the decoder's proposals. Each step costs one causal attention over step 1's keys
         plus j - 1 single diagonal keys, so the cost grows linearly in `steps` (a dense mask over all steps' keys
         would grow quadratically); that attention runs in chunks of queries, recomputed in backward, so memory
-        grows linearly in n (specdec/eagle3_attention.py).  input_ids, attention_mask: [B, S] (rows right-padded);
+        grows linearly in n (specdec/eagle3/attention.py).  input_ids, attention_mask: [B, S] (rows right-padded);
         target_hidden: [B, S, 3 H_target].
 
         `document_ids` [B, S] (packed rows: each row several documents, each a contiguous run of positions) makes
@@ -303,37 +264,6 @@ class Eagle3Draft(nn.Module):
                 h = h.masked_fill((positions == 0)[..., None], 0.0)
         return outputs
 
-    # ---- teacher-forced replay (specdec/replay.py)
-    @torch.no_grad()
-    def read_target(self, target: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """The target's residual stream after each of `layer_ids`, concatenated; no head computed.  [B, S, 3 H]"""
-        self.adopt_target(target)
-        with HiddenStateRecorder(target, self.layer_ids) as recorder:
-            target.get_decoder()(input_ids=input_ids, attention_mask=attention_mask)
-            return recorder.latest
-
-    @torch.no_grad()
-    def replay_ranks(self, input_ids, attention_mask, loss_mask, steps: int, states) -> list[list[list[int]]]:
-        """For each scored position p (p predicts completion token p + 1) of each row: the ranks of tokens
-        p + 1 .. p + steps among this draft's proposals 1..steps of the round whose first proposal is token p + 1,
-        unrolled exactly as the decoder proposes (specdec/replay.py: replay_ranks)."""
-        outs = self.unrolled(input_ids, states, attention_mask, steps)
-        # step j's output at draft position t proposes token t + 2 (t + 2 - j is the round's last true position)
-        ranks = torch.stack([true_token_ranks(self.logits(o)[:, :-1], input_ids[:, 2:], self.draft_to_target)
-                             for o in outs]).tolist()  # [j][B][n - 1]
-        out = []
-        for b, scored in enumerate(loss_mask.tolist()):
-            row = []
-            for p in (p for p, s in enumerate(scored) if s):
-                position = []
-                for j in range(1, steps + 1):  # the round's j-th proposal is token p + j, at draft position p + j - 2
-                    t, token = p + j - 2, p + j
-                    inside = t >= 0 and token < len(scored) and scored[token - 1]
-                    position.append(ranks[j - 1][b][t] if inside else RANK_CAP)
-                row.append(position)
-            out.append(row)
-        return out
-
     # ---- construction, saving and loading
     @classmethod
     def from_target(cls, target: nn.Module, layer_ids: list[int] | None = None,
@@ -365,108 +295,20 @@ class Eagle3Draft(nn.Module):
         return {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()
                 if not k.startswith("rotary_emb.")}
 
-    def engine_config(self) -> dict:
-        """config.json for vLLM (`method: eagle3`) and SGLang (`EAGLE3`): the draft layer's Llama config plus every
-        EAGLE-3 key either engine reads, written out rather than left to defaults that differ between them."""
-        config = self.config.to_dict()
-        ids = list(self.layer_ids)
-        rope = dict(config.get("rope_parameters") or {})
-        config.update(
-            architectures=[ARCHITECTURE], model_type="llama", num_hidden_layers=1, tie_word_embeddings=False,
-            draft_vocab_size=self.config.draft_vocab_size, target_hidden_size=self.config.target_hidden_size,
-            # vLLM reads the top-level ids ("after i layers") before eagle_config's; SGLang reads eagle_config's
-            # and counts "output of layer i" (it adds one): the same layers, in each engine's numbering.
-            eagle_aux_hidden_state_layer_ids=ids, num_aux_hidden_states=len(ids),
-            eagle_config={"eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids], "use_aux_hidden_state": True},
-            norm_before_residual=self.midlayer.norm_before_residual, norm_before_fc=False, fc_norm=False,
-            norm_output=False,
-            # transformers < 5 (which some engine releases pin) read rope_theta / rope_scaling, not rope_parameters
-            rope_theta=rope.get("rope_theta", 10000.0),
-            rope_scaling=None if rope.get("rope_type", "default") == "default" else rope,
-        )
-        return config
-
-    def speculators_config(self, verifier: str, verifier_architectures: list[str], num_draft_tokens: int) -> dict:
-        """config.json in vLLM speculators' format (speculators 0.9's `Eagle3DraftModel`; `vllm serve DIR` detects
-        it and serves DIR as the draft of `verifier`). No top-level model_type: vLLM reads it as this format."""
-        layer = self.engine_config()
-        for key in ("architectures", "draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids",
-                    "num_aux_hidden_states", "eagle_config", "norm_before_residual", "norm_before_fc", "fc_norm",
-                    "norm_output", "target_num_hidden_layers", "target_architectures"):
-            layer.pop(key, None)
-        return {
-            "architectures": ["Eagle3DraftModel"],
-            "speculators_model_type": "eagle3",
-            "speculators_version": SPECULATORS_VERSION,
-            "speculators_config": {
-                "algorithm": "eagle3", "default_proposal_method": "greedy",
-                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(num_draft_tokens),
-                                      "accept_tolerance": 0.0, "verifier_accept_k": 1}],
-                "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures)},
-            },
-            "transformer_layer_config": layer,
-            "draft_vocab_size": self.config.draft_vocab_size,
-            "target_hidden_size": self.config.target_hidden_size,
-            "eagle_aux_hidden_state_layer_ids": list(self.layer_ids),
-            # vLLM reading this format defaults norm_before_residual to true, speculators to false: written out.
-            "norm_before_residual": self.midlayer.norm_before_residual, "norm_before_fc": False, "fc_norm": False,
-            "norm_output": False, "embed_requires_grad": False, "tie_word_embeddings": False,
-            "torch_dtype": str(self.dtype).removeprefix("torch."),
-        }
-
     def save_pretrained(self, out_dir: str | Path, state_dict: dict | None = None, format: str = "engines",
                         speculators: dict | None = None, **_ignored) -> None:
-        """config.json + model.safetensors; `state_dict` = a gathered one (FSDP, DeepSpeed).
-
-        format="engines": the layout vLLM (`method: eagle3`) and SGLang (`EAGLE3`) load, weights under `midlayer.`.
-        format="speculators": speculators' own layout (`speculators` = `speculators_config`'s arguments), weights
-        under `layers.0.` as its `Eagle3DraftModel` names them. Both store an exact copy of the target's
-        embeddings: vLLM then shares the target's, SGLang overwrites them, and speculators 0.9 under
-        transformers 5 would otherwise run with uninitialised ones."""
-        from safetensors.torch import save_file
-
-        if format not in FORMATS:
-            raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
+        """config.json + model.safetensors in one of `formats.FORMATS` (specdec/eagle3/formats.py); `state_dict` =
+        a gathered one (FSDP, DeepSpeed); `speculators` = the verifier for format="speculators"."""
         state = self.state_for_engines() if state_dict is None else {
             k: v.detach().cpu().contiguous() for k, v in state_dict.items() if not k.startswith("rotary_emb.")}
-        if format == "speculators":
-            if speculators is None:
-                raise ValueError("format=speculators needs the verifier: speculators={verifier, "
-                                 "verifier_architectures, num_draft_tokens}")
-            config = self.speculators_config(**speculators)
-            state = {k.replace("midlayer.", "layers.0."): v for k, v in state.items()}
-            if self.config.draft_vocab_size == self.config.vocab_size:  # speculators has no map then
-                state = {k: v for k, v in state.items() if k not in ("d2t", "t2d")}
-        else:
-            config = self.engine_config()
-        (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        save_file(state, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+        formats.write(out_dir, self.config, state, self.dtype, format, speculators)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> Eagle3Draft:
         """Load either layout (engines' or speculators'). A checkpoint without embeddings (the engines share the
         target's) takes the target's when it first meets it (`adopt_target`)."""
-        from safetensors.torch import load_file
-
-        raw = json.loads((Path(path) / "config.json").read_text())
-        if raw.get("speculators_model_type") == "eagle3":
-            layer = dict(raw.get("transformer_layer_config") or {})
-            raw = {**layer, **{k: v for k, v in raw.items() if k not in ("transformer_layer_config", "architectures")}}
-        raw.pop("model_type", None)
-        config = LlamaConfig(**raw)
-        config.architectures = [ARCHITECTURE]
-        for key in ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids"):
-            if getattr(config, key, None) is None:
-                raise ValueError(f"{path}/config.json lacks {key}: not an EAGLE-3 draft config")
-        config.norm_before_residual = bool(getattr(config, "norm_before_residual", False))
-        for flag in ("norm_before_fc", "fc_norm", "norm_output"):
-            if getattr(config, flag, False):
-                raise ValueError(f"{path}: {flag}=true EAGLE-3 drafts are not supported by specdec's decoder yet")
-        draft = cls(config).to(dtype)
-        state = load_file(str(Path(path) / WEIGHTS_FILE))
-        state = {k.replace("layers.0.", "midlayer."): v for k, v in state.items()}
+        draft = cls(formats.read_config(path)).to(dtype)
+        state = formats.read_state(path)
         draft.needs_target_embeddings = "embed_tokens.weight" not in state
         if draft.needs_target_embeddings:
             state["embed_tokens.weight"] = torch.full_like(draft.embed_tokens.weight, float("nan"))
@@ -489,11 +331,6 @@ class Eagle3Draft(nn.Module):
             self.embed_tokens.weight = weight
             self.needs_target_embeddings = False
 
-    def make_drafter(self, target, sampling):
-        """The decoder's side of this draft (specdec/drafter.py's interface)."""
-        self.adopt_target(target)
-        return Eagle3Drafter(self, target, sampling)
-
 
 def positions_in_documents(document_ids: torch.Tensor) -> torch.Tensor:
     """Each position's offset from the start of its document (documents are contiguous runs).  [B, n] -> [B, n]"""
@@ -510,134 +347,3 @@ def _init_weights(module: nn.Module) -> None:
     elif isinstance(module, nn.Embedding):
         nn.init.normal_(module.weight, std=0.02)
 
-
-class HiddenStateRecorder:
-    """The target's residual stream after each of `layer_ids` decoder layers, from its latest forward, [B, n, 3H]
-    (forward hooks on the decoder layers; no second forward). With `final=True` the final norm's output (what
-    the head reads) comes first: the online teacher's input. `history=True` keeps every forward's states
-    (RECORDED_STATES_DTYPE, on the CPU), in order: what `specdec data record_features=true` stores."""
-
-    def __init__(self, target: nn.Module, layer_ids: list[int], final: bool = False, history: bool = False):
-        layers = target.get_decoder().layers
-        ids = check_layer_ids(layer_ids, len(layers)) if layer_ids or not final else []
-        modules = ([target.get_decoder().norm] if final else []) + [layers[i - 1] for i in ids]
-        self._parts: list[torch.Tensor | None] = [None] * len(modules)
-        self._last = len(modules) - 1 if not final else 0  # the module that runs last in a forward
-        self.history: list[torch.Tensor] | None = [] if history else None
-        self._handles = [m.register_forward_hook(self._keeper(i)) for i, m in enumerate(modules)]
-
-    def _keeper(self, index: int):
-        def keep(_module, _inputs, output) -> None:
-            self._parts[index] = output[0] if isinstance(output, tuple) else output
-            if index == self._last and self.history is not None:
-                self.history.append(self.latest.detach().to("cpu", RECORDED_STATES_DTYPE))
-        return keep
-
-    @property
-    def latest(self) -> torch.Tensor | None:
-        if any(p is None for p in self._parts):
-            return None
-        return self._parts[0] if len(self._parts) == 1 else torch.cat(self._parts, dim=-1)
-
-    def close(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-
-    def __enter__(self) -> HiddenStateRecorder:
-        return self
-
-    def __exit__(self, *_exc) -> None:
-        self.close()
-
-
-class _HiddenWindow:
-    """The target's hidden states at the positions the draft has yet to read, [B, n, W] from position `start`.
-
-    Written after each target forward (prompt, then each verification), read once per round; what the draft has
-    read is then dropped, since its KV cache holds it: the buffer stays a few positions long."""
-
-    def __init__(self, prompt_states: torch.Tensor):
-        self.start, self.values = 0, prompt_states
-
-    def write(self, position: int, values: torch.Tensor) -> None:
-        """States from `position` on (later positions, read with guessed states, are replaced)."""
-        self.values = torch.cat([self.values[:, : position - self.start], values], dim=1)
-
-    def read(self, start: int, stop: int) -> torch.Tensor:
-        """States at positions start..stop-1; positions before `stop` are then dropped (the next round starts there)."""
-        out = self.values[:, start - self.start : stop - self.start]
-        self.values, self.start = self.values[:, stop - self.start :], stop
-        return out
-
-
-class Eagle3Drafter(Drafter):
-    """Drafting with an EAGLE-3 draft: draft position t reads x_{t+1} and the target's hidden states at t.
-
-    A round starting at length L first feeds the positions the draft has not read, up to L - 2, with the target's
-    states, then feeds back its own output for each further proposal. Those guessed positions (L - 1 on) are
-    dropped afterwards (`rollback`): the next round re-reads them with the target's states, which its
-    verification forward has computed by then (`observe`)."""
-
-    def __init__(self, draft: Eagle3Draft, target: nn.Module, sampling):
-        super().__init__(draft, target, sampling)
-        self.recorder = HiddenStateRecorder(target, draft.layer_ids)
-        self.cache = DynamicCache(config=draft.config)
-        self.window: _HiddenWindow | None = None
-        self.round_length = 1
-
-    def start(self, batch: Batch) -> None:
-        self.window = _HiddenWindow(self.recorder.latest)
-
-    def observe(self, position: int, keep: list[int] | None = None) -> None:
-        states = self.recorder.latest
-        self.window.write(position, states if keep is None else states[:, keep])
-
-    def rollback(self, batch: Batch) -> None:
-        rollback(self.cache, self.round_length - 1)
-
-    def close(self) -> None:
-        self.recorder.close()
-
-    def timed_step(self, batch: Batch) -> None:
-        start = self.cache.get_seq_length()
-        inputs = batch.model_inputs(start, start + 1)
-        states = self.recorder.latest[:, -1:]  # the target's latest states: the values do not change the cost
-        self.model(batch.seq[:, start + 1 : start + 2], states, inputs["position_ids"], True, self.cache,
-                   inputs["attention_mask"], logits_to_keep=1)
-        rollback(self.cache, start)
-
-    def tree_root(self, batch: Batch):
-        length = self.round_length = batch.length
-        start = self.cache.get_seq_length()
-        inputs = batch.model_inputs(start, length - 1)
-        out, logits = self.model(batch.seq[:, start + 1 : length], self.window.read(start, length - 1),
-                                 inputs["position_ids"], True, self.cache, inputs["attention_mask"], logits_to_keep=1)
-        return self.log_probs(logits[0, -1]), out[0, -1:]
-
-    def tree_step(self, tokens, parent_states, depths, allowed):
-        # A node at depth d is fed at draft position L - 2 + d (a round's j-th proposal is fed at L - 2 + j).
-        device = self.model.device
-        positions = torch.tensor(depths, device=device)[None] + self.round_length - 2
-        out, logits = self.model(tokens[None].to(device), parent_states[None], positions, False, self.cache,
-                                 tree_mask=allowed)
-        return self.log_probs(logits[0]), out[0]
-
-    def tree_rollback(self) -> None:
-        rollback(self.cache, self.round_length - 1)
-
-    def propose(self, batch: Batch, k: int, generator, stats):
-        length = self.round_length = batch.length
-        start = self.cache.get_seq_length()
-        ids, hidden, from_target = batch.seq[:, start + 1 : length], self.window.read(start, length - 1), True
-        inputs = batch.model_inputs(start, length - 1)
-        tokens, qs = [], []
-        for j in range(k):
-            out, logits = self.model(ids, hidden, inputs["position_ids"], from_target, self.cache,
-                                     inputs["attention_mask"], logits_to_keep=1)
-            stats.draft_forwards += 1
-            token = self.pick(logits, batch, generator, qs)
-            tokens.append(token)
-            batch.seq[:, length + j] = token
-            ids, hidden, from_target = token[:, None], out[:, -1:], False
-            inputs = batch.model_inputs(length - 1 + j, length + j)
-        return torch.stack(tokens, dim=1), (torch.stack(qs, dim=1) if qs else None)

@@ -1,0 +1,83 @@
+"""The draft-kind interface: everything specdec asks of a kind of draft, declared in one place.
+
+A kind is an object with the attributes and methods of `DraftKind`, registered by name in specdec/draft_registry.py
+(as speculators registers its draft model classes). The decoder, the held-out replay, the loader, the publisher,
+the model card and the trainer reach kind-specific behaviour only through it, so adding a kind means writing its
+own module and one `register` call. The built-in kinds: plain (specdec/plain_draft.py, any causal LM over the
+target's tokenizer) and EAGLE-3 (specdec/eagle3/kind.py).
+
+The trainer's side is a reference, not an import: `TrainingFacts.entry` names the training entry point inside
+`specdec.train` ("module:name"), which only the trainer resolves (the core never imports `specdec.train`). Building
+a draft from the target is that entry point's first job (train/plain_train.py, train/eagle3_train.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class TrainingFacts:
+    """How `specdec train` treats a kind (train/distill.py checks a recipe against these)."""
+
+    entry: str | None  # "module:name" of the training entry point in specdec.train; None: `specdec train` cannot
+    teachers: tuple[str, ...] = ("online", "offline", "on_policy")  # the teacher signals it trains with
+    lora: bool = True  # may train LoRA adapters
+    packing: bool = False  # pack=true keeps packed samples apart (attention, positions, loss)
+    reads_target_states: bool = False  # reads the target's hidden states: the target runs in every step
+    replicated: bool = False  # trains with DDP only: small enough to replicate, called outside its wrapped forward
+    default_vocab_size: int = 0  # draft_vocab_size=auto over a larger vocabulary (0: the full one)
+
+
+@dataclass(frozen=True)
+class PublishContext:
+    """What a publish format may need besides the draft."""
+
+    verifier: Callable[[], str]  # the target as the published config names it (computed only when a format needs it)
+    num_draft_tokens: int  # the k the evaluation measured (or the card's default)
+
+
+class DraftKind(Protocol):
+    """A kind of draft (see the module docstring)."""
+
+    name: str  # the registry's key; `draft: NAME` in a recipe builds one (the plain kind takes every other value)
+    vllm_method: str  # vLLM's speculative method (speculative_config's "method")
+    sglang_algorithm: str  # SGLang's --speculative-algorithm
+    formats: tuple[str, ...]  # the checkpoint layouts `specdec publish format=` writes, the default first
+    maps_vocabulary: bool  # the serving engines read its reduced vocabulary themselves (no head expansion)
+    training: TrainingFacts
+
+    def recognises(self, config: dict) -> bool:
+        """Whether a checkpoint's config.json is a draft of this kind."""
+
+    def owns(self, model: torch.nn.Module) -> bool:
+        """Whether a loaded model is a draft of this kind."""
+
+    def needs_snapshot(self, config: dict) -> bool:
+        """Whether a Hub checkpoint with this config must be downloaded whole before `load` (its own loader)."""
+
+    def load(self, path: str, dtype: torch.dtype) -> torch.nn.Module:
+        """The draft in a local checkpoint folder (or a Hub id the kind's loader resolves itself)."""
+
+    def save(self, model: torch.nn.Module, out_dir, format: str = "", context: PublishContext | None = None,
+             state_dict: dict | None = None) -> None:
+        """Write the draft to `out_dir` in `format` (one of `formats`; "" = the default); `state_dict` = a gathered
+        one (FSDP, DeepSpeed)."""
+
+    def drafter(self, draft: torch.nn.Module, target: torch.nn.Module, sampling) -> Any:
+        """The decoder's side of this draft: a specdec.drafter.Drafter, made before the target's prefill."""
+
+    def target_states(self, draft, target, input_ids: torch.Tensor,
+                      attention_mask: torch.Tensor) -> torch.Tensor | None:
+        """What the draft reads from the target besides the tokens, for `replay_ranks` (None: nothing)."""
+
+    def replay_ranks(self, draft, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
+                     steps: int, states: torch.Tensor | None) -> list[list[list[int]]]:
+        """The held-out replay's ranks (specdec/replay.py: replay_ranks), computed as the decoder proposes."""
+
+    def card_facts(self, model: torch.nn.Module) -> dict[str, Any]:
+        """CardInfo fields the model card states for this draft beyond the common ones (train/model_card.py)."""

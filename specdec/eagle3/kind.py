@@ -1,0 +1,70 @@
+"""The EAGLE-3 draft kind (specdec/draft_kind.py's interface): recognised by its config, loaded and published in
+the engines' and speculators' layouts, decoded with the target's hidden states, replayed unrolled, trained by
+train/eagle3_train.py."""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.draft_kind import PublishContext, TrainingFacts
+from specdec.eagle3 import formats
+from specdec.eagle3.drafter import Eagle3Drafter
+from specdec.eagle3.model import Eagle3Draft
+from specdec.eagle3.replay import unrolled_ranks
+from specdec.eagle3.states import target_states
+
+NAME = "eagle3"  # `draft: eagle3` in a recipe
+# The reduced head an EAGLE-3 draft over a larger vocabulary keeps by default: EAGLE-3's, SpecForge's and
+# speculators' setting (a 128k-152k head would be most of the draft's weights and of its step's cost).
+DEFAULT_VOCAB = 32_000
+
+
+class Eagle3Kind:
+    name = NAME
+    vllm_method = "eagle3"
+    sglang_algorithm = "EAGLE3"
+    formats = formats.FORMATS
+    maps_vocabulary = True  # both engines read d2t
+    training = TrainingFacts(
+        entry="specdec.train.eagle3_train:Eagle3Training",
+        # its unrolled steps already show it its own proposals: no on-policy teacher
+        teachers=("online", "offline"), lora=False, packing=True, reads_target_states=True,
+        # one decoder layer and a head: replicated whole, and its loss and replay call the module outside its
+        # wrapped forward, which sharded parameters do not allow
+        replicated=True, default_vocab_size=DEFAULT_VOCAB)
+
+    def recognises(self, config: dict) -> bool:
+        return formats.is_eagle3_config(config)
+
+    def owns(self, model) -> bool:
+        return isinstance(model, Eagle3Draft)
+
+    def needs_snapshot(self, config: dict) -> bool:
+        return True
+
+    def load(self, path: str, dtype: torch.dtype) -> Eagle3Draft:
+        return Eagle3Draft.from_pretrained(path, dtype)
+
+    def save(self, model: Eagle3Draft, out_dir, format: str = "", context: PublishContext | None = None,
+             state_dict: dict | None = None) -> None:
+        format = format or formats.FORMATS[0]
+        speculators = None
+        if format == "speculators" and context is not None:
+            speculators = {"verifier": context.verifier(), "num_draft_tokens": context.num_draft_tokens,
+                           "verifier_architectures": list(getattr(model.config, "target_architectures", None)
+                                                          or ["LlamaForCausalLM"])}
+        model.save_pretrained(out_dir, state_dict=state_dict, format=format, speculators=speculators)
+
+    def drafter(self, draft: Eagle3Draft, target, sampling) -> Eagle3Drafter:
+        draft.adopt_target(target)
+        return Eagle3Drafter(draft, target, sampling)
+
+    def target_states(self, draft: Eagle3Draft, target, input_ids, attention_mask) -> torch.Tensor:
+        draft.adopt_target(target)
+        return target_states(target, input_ids, attention_mask, draft.layer_ids)
+
+    def replay_ranks(self, draft: Eagle3Draft, input_ids, attention_mask, loss_mask, steps: int, states):
+        return unrolled_ranks(draft, input_ids, attention_mask, loss_mask, steps, states)
+
+    def card_facts(self, model: Eagle3Draft) -> dict:
+        return {"layer_ids": list(model.layer_ids)}

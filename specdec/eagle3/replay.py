@@ -1,0 +1,31 @@
+"""An EAGLE-3 draft's held-out replay (specdec/replay.py): its proposals unrolled exactly as the decoder makes them,
+the target's tokens ranked among each (specdec/ranks.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.ranks import RANK_CAP, true_token_ranks
+
+
+@torch.no_grad()
+def unrolled_ranks(draft, input_ids, attention_mask, loss_mask, steps: int, states) -> list[list[list[int]]]:
+    """For each scored position p (p predicts completion token p + 1) of each row: the ranks of tokens
+    p + 1 .. p + steps among the draft's proposals 1..steps of the round whose first proposal is token p + 1,
+    unrolled exactly as the decoder proposes (`Eagle3Draft.unrolled`); `states` = the target's [B, S, 3 H]."""
+    outs = draft.unrolled(input_ids, states, attention_mask, steps)
+    # step j's output at draft position t proposes token t + 2 (t + 2 - j is the round's last true position)
+    ranks = torch.stack([true_token_ranks(draft.logits(o)[:, :-1], input_ids[:, 2:], draft.draft_to_target)
+                         for o in outs]).tolist()  # [j][B][n - 1]
+    out = []
+    for b, scored in enumerate(loss_mask.tolist()):
+        row = []
+        for p in (p for p, s in enumerate(scored) if s):
+            position = []
+            for j in range(1, steps + 1):  # the round's j-th proposal is token p + j, at draft position p + j - 2
+                t, token = p + j - 2, p + j
+                inside = t >= 0 and token < len(scored) and scored[token - 1]
+                position.append(ranks[j - 1][b][t] if inside else RANK_CAP)
+            row.append(position)
+        out.append(row)
+    return out
