@@ -29,9 +29,16 @@ def _within(name: str, package: str) -> bool:
 
 
 def _module_name(path: Path) -> str:
-    """`train/data.py` -> `specdec.train.data` (an `__init__.py` keeps its stem: `specdec.train.__init__`)."""
-    package = next(p for p, folder in FOLDERS.items() if folder == path.parts[-2])
-    return f"{package}.{path.stem}"
+    """`train/data.py` -> `specdec.train.data`, `eval/engine/vllm.py` -> `specdec.eval.engine.vllm` (an
+    `__init__.py` keeps its stem: `specdec.train.__init__`)."""
+    parts = path.relative_to(ROOT).parts
+    package = next(p for p, folder in FOLDERS.items() if folder == parts[0])
+    return ".".join([package, *parts[1:-1], path.stem])
+
+
+def _python_files(folder: str) -> list[Path]:
+    """The Python files of a folder and of its subpackages."""
+    return sorted((ROOT / folder).rglob("*.py"))
 
 
 def _source(name: str) -> Path | None:
@@ -66,8 +73,8 @@ def _imports(path: Path):
 
 def _project_imports():
     """(module, imported module, inside a function?) for every import in specdec/, train/ and eval/."""
-    for path in sorted(ROOT.glob("*/*.py")):
-        if path.parts[-2] in FOLDERS.values():
+    for folder in FOLDERS.values():
+        for path in _python_files(folder):
             module = _module_name(path)
             for name, nested in _imports(path):
                 yield module, name, nested
@@ -93,7 +100,7 @@ def test_imports_go_one_way():
 def test_nothing_imports_the_folder_names():
     """`from train import x` works from the checkout (its root is on sys.path) and nowhere else."""
     old = [(str(path.relative_to(ROOT)), name) for folder in (*FOLDERS.values(), *USERS)
-           for path in sorted((ROOT / folder).glob("*.py")) for name, _ in _imports(path)
+           for path in _python_files(folder) for name, _ in _imports(path)
            if name.split(".")[0] in OLD_NAMES]
     assert not old, f"import specdec.train / specdec.eval instead: {old}"
 
@@ -114,7 +121,7 @@ def _old_module_runs(path: Path) -> list[str]:
 
 def test_commands_run_the_installed_names():
     runs = {str(p.relative_to(ROOT)): found for folder in (*FOLDERS.values(), *USERS)
-            for p in sorted((ROOT / folder).glob("*.py")) if (found := _old_module_runs(p))}
+            for p in _python_files(folder) if (found := _old_module_runs(p))}
     assert not runs, f"`-m train` / `-m eval` run the checkout's folders only; use -m specdec.train: {runs}"
     from specdec.cli import COMMANDS
 
