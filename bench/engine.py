@@ -17,7 +17,7 @@ from pathlib import Path
 
 import results  # bench/results.py (this script runs with bench/ on its path)
 
-from specdec.eval.engine_vllm import EngineError
+from specdec.eval.engine import EngineError
 from specdec.eval.runner import EvalConfig, run
 from specdec.models import EMBEDDED_TARGET, load_model, load_tokenizer, save_model
 

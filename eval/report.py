@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 
 from specdec import fast_linear
-from specdec.eval import engine_markdown, proposals
+from specdec.eval import proposals
+from specdec.eval.engine import markdown as engine_markdown
 
 FORMULA = (
     "Analytical speedup (Leviathan et al. 2022, with per-position acceptance and a measured verify cost):\n\n"

@@ -34,8 +34,9 @@ from specdec.compat import check_compatible
 from specdec.decode import DecodeStats, speculative_generate, target_generate
 from specdec.draft_registry import make_drafter
 from specdec.eval import decision as decision_mod
-from specdec.eval import engine_report, equivalence, memory, metrics, plots, proposals, report
-from specdec.eval.engine_vllm import check_settings
+from specdec.eval import engine as engines
+from specdec.eval import equivalence, memory, metrics, plots, proposals, report
+from specdec.eval.engine import report as engine_report
 from specdec.eval.verify import _draft_tokenizer, check_pair, first_turn, resolve_prompts_path
 from specdec.fast_linear import fast_linears
 from specdec.kv import Batch, cache_kwarg, prefill
@@ -51,8 +52,9 @@ PLOT_FORMATS = ("png", "svg", "pdf")
 
 
 @dataclass
-class EvalConfig:
-    """`specdec eval` settings (recipe section `eval:`). Lists sweep: one row per (k or tree, batch size)."""
+class EvalConfig(*engines.option_classes()):
+    """`specdec eval` settings (recipe section `eval:`). Lists sweep: one row per (k or tree, batch size).
+    Each serving engine's own keys (vllm_method, vllm_ngram, ...) come from its options class (eval/engine)."""
 
     target: str = "embedded:smollm2-135m-instruct"
     draft: str | None = None
@@ -91,25 +93,14 @@ class EvalConfig:
     choose_k: list[int] = field(default_factory=list)
     choose_tree: list[str] = field(default_factory=list)  # static tree shapes choose_k weighs beside its chains
     choose_k_prompts: int = 4  # calibration prompts (the first ones, which also serve as warm-up)
-    # --- the serving engine (eval/engine_vllm.py): where the draft is measured; specdec = this decoder
+    # --- the serving engine (eval/engine/): where the draft is measured; specdec = this decoder
     engine: list[str] = field(default_factory=lambda: ["specdec"])  # specdec | vllm | specdec,vllm (side by side)
-    concurrency: list[int] = field(default_factory=lambda: [1, 4, 16])  # vllm: closed-loop clients per level
-    vllm_method: str = "auto"  # auto (the draft's config.json: eagle3 or draft_model) | draft_model | eagle3 | ngram
-    vllm_ngram: bool = False  # add vLLM's n-gram prompt lookup as a reference row (no training)
-    vllm_ngram_lookup: list[int] = field(default_factory=lambda: [2, 4])  # its [min, max] n-gram sizes
-    vllm_python: str | None = None  # vLLM's Python (default: $SPECDEC_VLLM_PYTHON, then .venv-vllm, `make vllm-env`)
-    vllm_args: list[str] = field(default_factory=list)  # extra `vllm serve` arguments, e.g. [--enforce-eager]
-    vllm_speculative_config: dict | None = None  # keys added to every --speculative-config
-    vllm_port: int | None = None  # first port (one per server); None: free ports
-    vllm_prefix_caching: bool = False  # off: the repeated prompts of each level would be served from the cache
-    vllm_side_by_side: bool | None = None  # servers at once, alternating (None: on a CPU build; GPU: one at a time)
-    vllm_startup_timeout: float = 900.0  # seconds for a server to answer /health
-    vllm_request_timeout: float = 600.0  # seconds for one streamed completion
-    vllm_stop_timeout: float = 30.0  # seconds between SIGTERM and SIGKILL
+    concurrency: list[int] = field(default_factory=lambda: [1, 4, 16])  # serving engine: closed-loop clients per level
 
     def __post_init__(self) -> None:
-        check_settings(self)
-        if not self.draft and not (self.engine == ["vllm"] and self.vllm_method == "ngram"):
+        settings = engines.check_settings(self)
+        self.engine, self.concurrency = settings.engine, settings.concurrency
+        if not self.draft and engines.needs_draft(self):
             raise ValueError("eval needs a draft: pass --draft PATH_OR_HUB_ID (a checkpoint from `specdec train`)")
         if not self.prompts:
             raise ValueError("eval needs prompts: pass --prompts FILE.jsonl (default: embedded:heldout)")
@@ -489,8 +480,9 @@ def run(cfg: EvalConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     try:
-        if "vllm" in cfg.engine:  # the serving engine, after this decoder when both are asked for
-            return engine_report.run(cfg, _run if "specdec" in cfg.engine else None)
+        served = engines.serving(cfg)  # a serving engine, after this decoder when both are asked for
+        if served is not None:
+            return engine_report.run(served, cfg, _run if engines.DECODER in cfg.engine else None)
         return _run(cfg)
     finally:
         torch.set_num_threads(threads)

@@ -37,7 +37,7 @@ def world(tmp_path_factory):
     if find_vllm_python() is None:
         pytest.skip("no vLLM Python found (make vllm-env creates .venv-vllm; or set SPECDEC_VLLM_PYTHON)")
     # Both drafts sit under a path containing "eagle3", which vLLM would otherwise take as the method of the plain
-    # one too (eval/engine_vllm.py: _path_vllm_keeps_the_method_of).
+    # one too (eval/engine/vllm.py: _path_vllm_keeps_the_method_of).
     root = tmp_path_factory.mktemp("engine_eagle3")
     torch.manual_seed(0)
     target = load_model(EMBEDDED_TARGET, dtype="float32", device="cpu")

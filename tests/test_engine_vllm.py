@@ -26,7 +26,8 @@ from conftest import TINY_EVAL_PROMPTS, tiny_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdec.cli import main
-from specdec.eval import engine_vllm
+from specdec.eval.engine import client, metrics, sweep, vllm
+from specdec.eval.engine import server as processes
 from specdec.vllm_env import find_vllm_python
 
 
@@ -81,7 +82,7 @@ def _eval(pair, out, *extra, draft=True):
 
 def _no_server_left(report: dict) -> None:
     for server in report["engine"]["servers"].values():
-        assert engine_vllm.port_is_free(server["port"]), f"a server still listens on {server['port']}"
+        assert processes.port_is_free(server["port"]), f"a server still listens on {server['port']}"
 
 
 def _counters_consistent(row: dict, k: int) -> None:
@@ -204,15 +205,15 @@ def test_engine_faults_show_vllms_message_and_keep_what_finished(pair, tmp_path,
     err = capsys.readouterr().err
     assert "prompt_lookup_min=5 must be <= prompt_lookup_max=2" in err and "vllm-ngram.log" in err
 
-    real = engine_vllm.measure_phase
+    real = sweep.measure_phase
 
-    def kill_before_its_second_phase(server, mode, concurrency, *args, **kwargs):
-        if (mode, concurrency) == ("ngram", 2):
+    def kill_before_its_second_phase(server, concurrency, *args, **kwargs):
+        if (server.label, concurrency) == ("ngram", 2):
             os.killpg(server.proc.pid, signal.SIGKILL)  # the real engine dies, as an OOM kill would do it
             server.proc.wait(timeout=30)
-        return real(server, mode, concurrency, *args, **kwargs)
+        return real(server, concurrency, *args, **kwargs)
 
-    monkeypatch.setattr(engine_vllm, "measure_phase", kill_before_its_second_phase)
+    monkeypatch.setattr(sweep, "measure_phase", kill_before_its_second_phase)
     out = tmp_path / "c"
     # Side by side, the modes' order alternates: (target-only, ngram) at 1, then (ngram, target-only) at 2.
     assert _eval(pair, out, "engine=vllm", "vllm_method=ngram", "concurrency=1,2", "--max-new-tokens", "8",
@@ -236,7 +237,7 @@ def test_engine_faults_show_vllms_message_and_keep_what_finished(pair, tmp_path,
 @pytest.mark.usefixtures("vllm_python")
 def test_engine_port_taken_is_an_error_before_any_server_starts(pair, tmp_path, capsys):
     with socket.socket() as s:
-        s.bind((engine_vllm.HOST, 0))
+        s.bind((client.HOST, 0))
         s.listen()
         port = s.getsockname()[1]
         assert _eval(pair, tmp_path, "engine=vllm", f"vllm_port={port}") == 2
@@ -288,7 +289,7 @@ def test_ngram_alone_needs_no_draft():
     from specdec.eval.runner import EvalConfig
 
     cfg = EvalConfig(engine=["vllm"], vllm_method="ngram", out="x")
-    assert engine_vllm.engine_methods(cfg) == ["ngram"]
+    assert vllm.engine_methods(cfg) == ["ngram"]
     with pytest.raises(ValueError, match="pass --draft"):
         EvalConfig(engine=["vllm"], out="x")
 
@@ -299,18 +300,18 @@ def test_method_auto_reads_the_drafts_config(tmp_path):
         (tmp_path / name / "config.json").write_text(json.dumps(config))
         return str(tmp_path / name)
 
-    assert engine_vllm.resolve_method(folder("plain", {"architectures": ["LlamaForCausalLM"]})) == "draft_model"
-    assert engine_vllm.resolve_method(folder("e3", {"architectures": ["LlamaForCausalLMEagle3"]})) == "eagle3"
-    assert engine_vllm.resolve_method(folder("spec", {"speculators_model_type": "eagle3"})) == "eagle3"
-    assert engine_vllm.resolve_method(str(tmp_path / "plain"), "eagle3") == "eagle3"
+    assert vllm.resolve_method(folder("plain", {"architectures": ["LlamaForCausalLM"]})) == "draft_model"
+    assert vllm.resolve_method(folder("e3", {"architectures": ["LlamaForCausalLMEagle3"]})) == "eagle3"
+    assert vllm.resolve_method(folder("spec", {"speculators_model_type": "eagle3"})) == "eagle3"
+    assert vllm.resolve_method(str(tmp_path / "plain"), "eagle3") == "eagle3"
 
     class Cfg:
         vllm_ngram_lookup, vllm_speculative_config = [2, 4], {"draft_sample_method": "probabilistic"}
 
-    spec = engine_vllm.speculative_config("eagle3", str(tmp_path / "e3"), 3, Cfg)
+    spec = vllm.speculative_config("eagle3", str(tmp_path / "e3"), 3, Cfg)
     assert spec == {"method": "eagle3", "num_speculative_tokens": 3, "model": str(tmp_path / "e3"),
                     "draft_sample_method": "probabilistic"}
-    assert engine_vllm.speculative_config("ngram", None, 2, Cfg)["prompt_lookup_max"] == 4
+    assert vllm.speculative_config("ngram", None, 2, Cfg)["prompt_lookup_max"] == 4
 
 
 METRICS = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
@@ -327,10 +328,10 @@ vllm:generation_tokens_total{engine="0",model_name="m"} 50.0
 
 
 def test_counters_give_designs_definitions():
-    after = engine_vllm.spec_counters(engine_vllm.parse_prometheus(METRICS), 3)
+    after = vllm.spec_counters(metrics.parse_prometheus(METRICS), 3)
     before = {"drafts": 2.0, "draft_tokens": 6.0, "accepted": 4.0, "accepted_per_pos": [2.0, 1.0, 1.0],
               "generation_tokens": 10.0}
-    got = engine_vllm.acceptance(engine_vllm.counters_delta(before, after), 3)
+    got = metrics.acceptance(metrics.counters_delta(before, after), 3)
     # 8 rounds of 3 proposals, 8 accepted: 4 at position 1, 3 at 2, 1 at 3.
     assert got["rounds"] == 8 and got["proposed"] == 24 and got["accepted"] == 8
     assert got["acceptance_rate"] == pytest.approx(8 / 24)
@@ -338,7 +339,7 @@ def test_counters_give_designs_definitions():
     assert got["per_position_acceptance"] == pytest.approx([4 / 8, 3 / 4, 1 / 3])
     assert got["bonus"] == 1 and got["corrections"] == 7 and got["full_drafts"]
     # Short drafts (n-gram lookup): bonus and corrections cannot be told from the counters.
-    short = engine_vllm.acceptance({**engine_vllm.counters_delta(before, after), "draft_tokens": 20.0}, 3)
+    short = metrics.acceptance({**metrics.counters_delta(before, after), "draft_tokens": 20.0}, 3)
     assert short["bonus"] is None and not short["full_drafts"]
 
 
@@ -353,11 +354,11 @@ def test_client_times_out_on_a_server_that_never_answers():
         def log_message(self, *args):
             pass
 
-    httpd = http.server.ThreadingHTTPServer((engine_vllm.HOST, 0), Stall)
+    httpd = http.server.ThreadingHTTPServer((client.HOST, 0), Stall)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
         start = time.perf_counter()
-        req = engine_vllm.stream_completion(httpd.server_address[1], [1, 2, 3], {"max_tokens": 4}, timeout=0.5)
+        req = client.stream_completion(httpd.server_address[1], [1, 2, 3], {"max_tokens": 4}, timeout=0.5)
         assert time.perf_counter() - start < 5
         assert req.error and "client timeout" in req.error and not req.tokens
     finally:
@@ -369,10 +370,10 @@ def test_server_lifecycle_stops_the_whole_process_group(tmp_path):
     """A 'server' that never gets healthy: the wait times out with its log, and stop() leaves no child behind."""
     child = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); " \
             "print('child started', flush=True); time.sleep(120)"
-    server = engine_vllm.Server("fake", [sys.executable, "-c", child], engine_vllm.free_port(), tmp_path / "fake.log",
+    server = processes.Server("fake", [sys.executable, "-c", child], processes.free_port(), tmp_path / "fake.log",
                                 dict(os.environ), stop_timeout=2.0)
-    with pytest.raises(engine_vllm.EngineError, match="was not ready within 2 s") as err:
-        with engine_vllm.running([server], timeout=2.0):
+    with pytest.raises(processes.EngineError, match="was not ready within 2 s") as err:
+        with processes.running([server], timeout=2.0):
             pass
     assert "child started" in str(err.value) and "fake.log" in str(err.value)
     pgid = server.proc.pid
@@ -389,9 +390,9 @@ def test_servers_get_absolute_local_paths_and_draft_model_paths_free_of_eagle(tm
     (tmp_path / "runs-eagle3" / "plain").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
     cfg = SimpleNamespace(vllm_speculative_config=None)
-    spec = engine_vllm.speculative_config("draft_model", "runs-eagle3/plain", 2, cfg)
+    spec = vllm.speculative_config("draft_model", "runs-eagle3/plain", 2, cfg)
     assert Path(spec["model"]).is_absolute() and "eagle" not in spec["model"].lower()
     assert Path(spec["model"]).resolve() == (tmp_path / "runs-eagle3" / "plain").resolve()
-    eagle = engine_vllm.speculative_config("eagle3", "runs-eagle3/plain", 2, cfg)
+    eagle = vllm.speculative_config("eagle3", "runs-eagle3/plain", 2, cfg)
     assert eagle["model"] == str((tmp_path / "runs-eagle3" / "plain").resolve())
-    assert engine_vllm.served_path("org/some-model") == "org/some-model"
+    assert vllm.served_path("org/some-model") == "org/some-model"

@@ -1,4 +1,4 @@
-"""`specdec eval engine=vllm` (or `engine=specdec,vllm`): plan, measure in the engine, assemble and render.
+"""`specdec eval engine=vllm` (or `engine=specdec,vllm`): plan, measure in a serving engine, assemble and render.
 
 The engine section of report.json (`engine`) holds every measured phase, the sweep table (target-only and
 speculative in pairs per concurrency level), the equivalence in the engine, the sampling check where it runs,
@@ -12,13 +12,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
-from specdec.eval import engine_vllm, equivalence, metrics, plots, report
+from specdec.eval import equivalence, metrics, plots, report
 from specdec.eval.decision import failed_gates
-from specdec.eval.engine_markdown import _has_specdec
-from specdec.eval.engine_vllm import TARGET_ONLY, EngineError, Install
+from specdec.eval.engine.client import request_body
+from specdec.eval.engine.markdown import _has_specdec
+from specdec.eval.engine.metrics import acceptance, phase_metrics
+from specdec.eval.engine.probe import exact_first_two, judge_first_two
+from specdec.eval.engine.server import EngineError
+from specdec.eval.engine.sweep import TARGET_ONLY, Plan, Workload, run_sweep
 from specdec.eval.plots import _plt
 from specdec.eval.verify import first_turn, resolve_prompts_path
 from specdec.models import load_tokenizer, resolve_device
@@ -26,43 +29,10 @@ from specdec.prompts import encode_prompt, read_prompts
 
 log = logging.getLogger(__name__)
 
-EXPOSES = (
-    "vLLM's API returns the sampled token ids (and, on request, the target's log-probs of them), not the draft's "
-    "proposals or its distribution q; its draft proposes greedily by default (draft_sample_method=greedy: q is "
-    "one-hot, which keeps the rejection rule exact). So the check is of the output law only: the first two "
-    "generated tokens of one prompt, drawn once per seed, against the target's exact law from transformers "
-    "(chi-square and TV, as `specdec verify`). The first token comes from the prefill, the second from a "
-    "speculative round (the rounds seen are counted from /metrics); the target-only server's draws are the "
-    "control. An exact rejection sampler keeps the target's law whatever the draft, so a speculative failure with "
-    "the control passing is the engine's, not the draft's (vLLM 0.32's CPU build fails so: its rejection sampler "
-    "reads uninitialised per-request temperatures, and crashes with top-k; greedy decoding is unaffected)."
-)
-
-
-@dataclass
-class Plan:
-    """What the engine run needs, checked before anything is measured."""
-
-    install: Install
-    methods: list[str]
-    dtype: str
-
-
-def preflight(cfg) -> Plan:
-    """vLLM's environment, the methods, the draft's compatibility and a fixed port: all before any measurement."""
-    methods = engine_vllm.engine_methods(cfg)
-    for method in methods:
-        if method != "ngram":
-            engine_vllm.check_draft(cfg.target, cfg.draft, method)
-    install = engine_vllm.find_install(cfg.vllm_python)
-    if cfg.vllm_port is not None:
-        for port in range(cfg.vllm_port, cfg.vllm_port + 1 + len(methods)):
-            if not engine_vllm.port_is_free(port):
-                raise EngineError(f"port {port} on {engine_vllm.HOST} is taken (another server?): leave vllm_port unset "
-                                  f"to pick free ports, or pass another vllm_port (the run uses {1 + len(methods)} "
-                                  "consecutive ports from it)")
-    log.info("vLLM %s (%s) from %s; methods %s", install.version, install.distribution, install.python, methods)
-    return Plan(install, methods, engine_vllm.served_dtype(cfg))
+# Said only when measured: the control passed and a speculative server failed the sampling check.
+ENGINE_FAULT = ("The target-only control passed and a speculative server failed: an exact rejection sampler keeps "
+                "the target's law whatever the draft, so the failure is the engine's, not the draft's "
+                "(docs/usage.md lists the engine faults known so far).")
 
 
 def _workload(cfg):
@@ -76,40 +46,49 @@ def _workload(cfg):
     return prompts, encoded
 
 
-def run(cfg, specdec_run=None) -> dict:
-    """The engine evaluation, after specdec's decoder when `specdec_run` is given; writes the report."""
-    plan = preflight(cfg)
+def _sweep(engine, cfg, plan: Plan, k: int, encoded: list[list[int]], out_dir: Path):
+    """The sampling check's exact law (when sampling), then every phase in the engine's servers."""
+    sampling = cfg.sampling()
+    probe = None
+    if not sampling.greedy and cfg.equivalence_samples:
+        probe = exact_first_two(cfg.target, plan.dtype, encoded[0], sampling, cfg.equivalence_samples)
+    seeds = [cfg.seed + i for i in range(len(encoded))] if not sampling.greedy else None
+    work = Workload(encoded, request_body(sampling, cfg.max_new_tokens), seeds, cfg.concurrency, cfg.warmup, k,
+                    cfg.seed)
+    servers = engine.servers(cfg, plan, [TARGET_ONLY, *plan.methods], k, out_dir)
+    return run_sweep(servers, plan, work, probe, sampling), probe
+
+
+def run(engine, cfg, specdec_run=None) -> dict:
+    """The evaluation in serving engine `engine` (eval/engine: ServingEngine), after specdec's decoder when
+    `specdec_run` is given; writes the report."""
+    plan = engine.prepare(cfg)
     out_dir = cfg.out_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     result = specdec_run(cfg) if specdec_run is not None else None
     k = result["config"]["num_draft_tokens"] if result is not None else cfg.num_draft_tokens[0]
     prompts, encoded = _workload(cfg)
-    sampling = cfg.sampling()
-    probe = None
-    if not sampling.greedy and cfg.equivalence_samples:
-        probe = engine_vllm.exact_first_two(cfg.target, plan.dtype, encoded[0], sampling, cfg.equivalence_samples)
-    modes = [TARGET_ONLY, *plan.methods]
-    sweep = engine_vllm.run_sweep(cfg, plan.install, modes, k, plan.dtype, encoded, sampling, out_dir, probe)
+    sweep, probe = _sweep(engine, cfg, plan, k, encoded, out_dir)
     fatal = sweep.pop("fatal", None)
     if fatal is not None and not sweep["phases"] and result is None:
-        raise fatal  # nothing measured: the error (with vLLM's own message) is the whole story
+        raise fatal  # nothing measured: the error (with the engine's own message) is the whole story
     specdec_tokens = _specdec_baseline(out_dir) if result is not None else None
-    engine = assemble(cfg, plan, k, prompts, sweep, probe, specdec_tokens)
+    section = assemble(engine, cfg, plan, k, prompts, sweep, probe, specdec_tokens)
     _write_engine_samples(out_dir / "engine_samples.jsonl", prompts, sweep["phases"])
     if result is None:
-        result = engine_only_result(cfg, plan, prompts, engine)
-        _write_samples(out_dir / "samples.jsonl", prompts, sweep["phases"], engine["primary_method"],
+        result = engine_only_result(cfg, plan, prompts, section)
+        _write_samples(out_dir / "samples.jsonl", prompts, sweep["phases"], section["primary_method"],
                        min(cfg.concurrency))
     else:
         result["config"]["engine"] = cfg.engine
-        result["engine"] = engine
-        _merge_decision(result["decision"], engine)
-    engine["plots"] = make_plots(result, out_dir, cfg.plot_format)
+        result["engine"] = section
+        _merge_decision(result["decision"], section)
+    section["plots"] = make_plots(result, out_dir, cfg.plot_format)
     report.write(result, out_dir)
-    if not engine["complete"]:
+    if not section["complete"]:
         raise EngineError(f"the engine run is incomplete; the report in {out_dir} keeps what finished and lists "
-                          f"what is missing ({'; '.join(engine['missing'][:6]) or 'see errors'}). First error: "
-                          f"{engine['errors'][0]['error'] if engine['errors'] else 'none'}")
+                          f"what is missing ({'; '.join(section['missing'][:6]) or 'see errors'}). First error: "
+                          f"{section['errors'][0]['error'] if section['errors'] else 'none'}")
     return result
 
 
@@ -164,47 +143,51 @@ def _greedy(cfg, prompts, phases: dict, methods: list[str], specdec_tokens) -> d
     return out
 
 
-def _sampling(probe, sweep: dict, sampling, concurrency: int) -> dict:
+def _sampling(engine, probe, sweep: dict, sampling, concurrency: int) -> dict:
+    """The sampling check's verdict; its note says what the engine lets it see, and whose fault a failure is when
+    the run shows it."""
+    note = engine.sampling_note
     if probe is None:
-        return {"mode": "sampling", "passed": None, "checked": 0, "mismatches": 0, "note": EXPOSES + " (skipped: "
-                "equivalence_samples=0)"}
-    check = engine_vllm.judge_first_two(probe, sweep["draws"], sampling, concurrency) if sweep["draws"] else None
-    if check is None:
-        return {"mode": "sampling", "passed": None, "checked": 0, "mismatches": 0, "note": EXPOSES}
+        return {"mode": "sampling", "passed": None, "checked": 0, "mismatches": 0,
+                "note": note + " (skipped: equivalence_samples=0)"}
+    if not sweep["draws"]:
+        return {"mode": "sampling", "passed": None, "checked": 0, "mismatches": 0, "note": note}
+    check = judge_first_two(probe, sweep["draws"], sampling, concurrency, engine.label)
+    control = [t["passed"] for t in check["tests"] if t["test"].endswith(f" {TARGET_ONLY} vs exact")]
+    if control == [True] and not check["passed"]:
+        note += " " + ENGINE_FAULT
     return {"mode": "sampling", "passed": check["passed"], "checked": sum(t["samples"] for t in check["tests"]),
-            "mismatches": sum(not t["passed"] for t in check["tests"]), "tests": check["tests"], "note": EXPOSES}
+            "mismatches": sum(not t["passed"] for t in check["tests"]), "tests": check["tests"], "note": note}
 
 
-def assemble(cfg, plan: Plan, k: int, prompts, sweep: dict, probe, specdec_tokens) -> dict:
+def assemble(engine, cfg, plan: Plan, k: int, prompts, sweep: dict, probe, specdec_tokens) -> dict:
     """The report's `engine` section."""
     phases = {(p.mode, p.concurrency): p for p in sweep["phases"]}
     figures = {}
     for key, phase in phases.items():
-        figures[key] = engine_vllm.phase_metrics(phase)
+        figures[key] = phase_metrics(phase)
         if key[0] != TARGET_ONLY and phase.counters is not None:
-            figures[key].update(engine_vllm.acceptance(phase.counters, k))
+            figures[key].update(acceptance(phase.counters, k))
         rss = sweep["servers"].get(key[0], {}).get("peak_rss_mb")
         figures[key]["peak_memory_mb"] = rss
     sampling = cfg.sampling()
     eq = _greedy(cfg, prompts, phases, plan.methods, specdec_tokens) if sampling.greedy else \
-        _sampling(probe, sweep, sampling, max(cfg.concurrency))
+        _sampling(engine, probe, sweep, sampling, max(cfg.concurrency))
     rows = [_row(c, m, figures, eq) for c in cfg.concurrency for m in plan.methods if (m, c) in figures]
     complete = not sweep["missing"] and not sweep["errors"]
     primary = plan.methods[0]
-    engine = {
-        "name": "vllm", "version": plan.install.version, "distribution": plan.install.distribution,
-        "python": plan.install.python, "methods": plan.methods, "primary_method": primary,
+    section = {
+        "name": engine.name, "label": engine.label, "version": plan.version, "distribution": plan.distribution,
+        "python": plan.python, "methods": plan.methods, "primary_method": primary,
         "num_draft_tokens": k, "concurrency": cfg.concurrency, "dtype": plan.dtype,
         "max_new_tokens": cfg.max_new_tokens, "num_prompts": len(prompts), "warmup": cfg.warmup,
-        "side_by_side": sweep["side_by_side"],
-        "speculative_configs": {m: engine_vllm.speculative_config(m, cfg.draft, k, cfg) for m in plan.methods},
-        "server_args": list(cfg.vllm_args), "servers": sweep["servers"],
+        "side_by_side": sweep["side_by_side"], **engine.report_fields(cfg, plan, k), "servers": sweep["servers"],
         "phases": [figures[(p.mode, p.concurrency)] for p in sweep["phases"]],
         "sweep": rows, "equivalence": eq,
         "complete": complete, "missing": sweep["missing"], "errors": sweep["errors"],
     }
-    engine["decision"] = engine_decision(cfg, engine)
-    return engine
+    section["decision"] = engine_decision(cfg, section)
+    return section
 
 
 def _row(c: int, method: str, figures: dict, eq: dict) -> dict:
@@ -262,7 +245,7 @@ def _merge_decision(decision: dict, engine: dict) -> None:
     """engine=specdec,vllm: the decoder's verdict also needs the engine's output to be the target's."""
     passed = engine["equivalence"]["passed"]
     decision.setdefault("checks", {})["engine_equivalence"] = passed is True
-    decision["reasons"].append("equivalence in vLLM " + ("passed (ok)" if passed else "not checked (FAILS: it must pass)"
+    decision["reasons"].append(f"equivalence in {engine['label']} " + ("passed (ok)" if passed else "not checked (FAILS: it must pass)"
                                                          if passed is None else "failed (FAILS)"))
     if passed is not True:
         decision["verdict"] = "keep-target-only"
@@ -278,7 +261,7 @@ def engine_only_result(cfg, plan: Plan, prompts, engine: dict) -> dict:
     base = by_key.get((TARGET_ONLY, c), {})
     spec = by_key.get((engine["primary_method"], c), {})
     row = next((r for r in engine["sweep"] if r["method"] == engine["primary_method"] and r["concurrency"] == c), {})
-    env = metrics.environment(resolve_device(cfg.device)) | {"vllm": f"{plan.install.version} ({plan.install.distribution})"}
+    env = metrics.environment(resolve_device(cfg.device)) | {engine["name"]: f"{plan.version} ({plan.distribution})"}
     config = {
         "target": cfg.target, "draft": cfg.draft, "num_draft_tokens": engine["num_draft_tokens"],
         "temperature": cfg.temperature, "top_k": cfg.top_k, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens,
@@ -337,7 +320,8 @@ def make_plots(r: dict, out_dir: Path, fmt: str = "png") -> dict[str, str]:
     for m in e["methods"]:
         pts = sorted((x["concurrency"], x["speedup"]) for x in e["sweep"] if x["method"] == m and x["speedup"])
         if pts:
-            axes[0, 1].plot([c for c, _ in pts], [s for _, s in pts], marker="o", label=f"vLLM {m}", color=color[m])
+            axes[0, 1].plot([c for c, _ in pts], [s for _, s in pts], marker="o", label=f"{e['label']} {m}",
+                            color=color[m])
     if _has_specdec(r):
         axes[0, 1].axhline(r["speedup"], color="black", linestyle="--", linewidth=1,
                            label=f"specdec decoder (batch {r['config']['batch_size']})")
@@ -348,12 +332,12 @@ def make_plots(r: dict, out_dir: Path, fmt: str = "png") -> dict[str, str]:
         ax.set_xlabel("concurrency")
         ax.set_title(title, fontsize=10)
         ax.legend(fontsize=7)
-    fig.suptitle(f"vLLM {e['version']}, k = {e['num_draft_tokens']}", fontsize=10)
+    fig.suptitle(f"{e['label']} {e['version']}, k = {e['num_draft_tokens']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(out_dir / files["engine_sweep"], dpi=110)
     plt.close(fig)
 
-    bars = [(f"vLLM {x['method']}, c={x['concurrency']}", x["per_position_acceptance"]) for x in e["sweep"]
+    bars = [(f"{e['label']} {x['method']}, c={x['concurrency']}", x["per_position_acceptance"]) for x in e["sweep"]
             if x["per_position_acceptance"] and x["concurrency"] == min(e["concurrency"])]
     if _has_specdec(r):
         bars.insert(0, ("specdec decoder", r["speculative"]["per_position_acceptance"]))

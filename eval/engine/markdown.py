@@ -1,5 +1,5 @@
-"""The engine section of report.md: vLLM's sweep table, the side-by-side view with specdec's decoder, and the
-engine's equivalence (eval/engine_report.py measures and assembles what this writes)."""
+"""The engine section of report.md: a serving engine's sweep table, the side-by-side view with specdec's decoder, and the
+engine's equivalence (eval/engine/report.py measures and assembles what this writes)."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ def markdown_lines(r: dict) -> list[str]:
     """The engine section of report.md (both layouts)."""
     e = r["engine"]
     labels = {m: f"{m} (reference, no training)" if m == "ngram" else m for m in e["methods"]}
-    lines = ["", f"## In the serving engine: vLLM {e['version']} ({e['distribution']})", "",
+    lines = ["", f"## In the serving engine: {e['label']} {e['version']} ({e['distribution']})", "",
              f"**Engine verdict: `{e['decision']['verdict']}`** — {'; '.join(e['decision']['reasons'])}.", "",
-             f"Target-only and speculative servers (`vllm serve`, {e['dtype']}, k = {e['num_draft_tokens']}) got "
+             f"Target-only and speculative servers ({e['label']}, {e['dtype']}, k = {e['num_draft_tokens']}) got "
              f"the same {e['num_prompts']} prompts as token ids, max_tokens {e['max_new_tokens']}, at concurrency "
              f"{', '.join(map(str, e['concurrency']))} (that many clients in a closed loop: continuous batching), "
              f"after {e['warmup']} warm-up pass(es) per server. Methods: "
@@ -47,18 +47,18 @@ def markdown_lines(r: dict) -> list[str]:
                          + ", ".join(f"{i + 1}: {a:.3f}" for i, a in enumerate(row["per_position_acceptance"])))
     if _has_specdec(r):
         lines += _side_by_side(r)
-    lines += ["", "### Equivalence in the engine", ""] + _equivalence_lines(e["equivalence"])
+    lines += ["", "### Equivalence in the engine", ""] + _equivalence_lines(e["equivalence"], e["label"])
     if e["missing"] or e["errors"]:
         lines += ["", "### Missing", "", "The run is incomplete; the phases above are the ones that finished.", ""]
         lines += [f"- missing: {m}" for m in e["missing"]]
         lines += ["", *[f"- error ({x['mode'] or 'start-up'}): " + x["error"].splitlines()[0] for x in e["errors"]]]
     lines += ["", "### How the engine was measured", "",
-              "Each mode is a real `vllm serve` on 127.0.0.1 (its log beside this report: "
+              f"Each mode is a real {e['label']} server on 127.0.0.1 (its log beside this report: "
               + ", ".join(f"`{s['log']}`" for s in e["servers"].values()) + "). Timings are the client's: latency "
               "from sending a request to its last token, TTFT to its first, TPOT = (latency - TTFT) / (tokens - 1) per "
               "request, ITL per token (a chunk of n tokens counts n gaps of a nth); tokens/s = generated tokens over the "
               "phase's wall time; speedup = target-only phase time / speculative phase time on the same prompts. "
-              "Acceptance comes from the server's Prometheus counters (`vllm:spec_decode_*_total`), differenced "
+              "Acceptance comes from the server's speculative counters (Prometheus, `/metrics`), differenced "
               "around each phase: acceptance rate = accepted / proposed, tau = 1 + accepted / drafts (the correction "
               "or bonus token included), per position = accepted at i / accepted at i - 1 (which assumes full drafts "
               "of k tokens; n-gram lookup may propose fewer). "
@@ -70,7 +70,7 @@ def markdown_lines(r: dict) -> list[str]:
 
 
 def _side_by_side(r: dict) -> list[str]:
-    """specdec's decoder (its recommended row) beside vLLM (primary method, concurrency 1 or the lowest level)."""
+    """specdec's decoder (its recommended row) beside the engine (primary method, concurrency 1 or the lowest level)."""
     e = r["engine"]
     c = min(e["concurrency"])
     row = next((x for x in e["sweep"] if x["method"] == e["primary_method"] and x["concurrency"] == c), None)
@@ -79,8 +79,8 @@ def _side_by_side(r: dict) -> list[str]:
     s, b = r["speculative"], r["baseline"]
     pos = ", ".join(f"{a:.2f}" for a in s["per_position_acceptance"])
     epos = ", ".join(f"{a:.2f}" for a in row["per_position_acceptance"] or [])
-    return ["", f"### specdec's decoder beside vLLM (k = {r['config']['num_draft_tokens']})", "",
-            f"| metric | specdec decoder (batch {r['config']['batch_size']}) | vLLM {e['primary_method']} "
+    return ["", f"### specdec's decoder beside {e['label']} (k = {r['config']['num_draft_tokens']})", "",
+            f"| metric | specdec decoder (batch {r['config']['batch_size']}) | {e['label']} {e['primary_method']} "
             f"(concurrency {c}) |", "|---|---:|---:|",
             f"| speedup | {_x(r['speedup'])} | {_x(row['speedup'])} |",
             f"| tokens/s target-only | {b['tokens_per_s']:.1f} | {_x(row['baseline_tokens_per_s'], '.1f')} |",
@@ -91,7 +91,7 @@ def _side_by_side(r: dict) -> list[str]:
             f"| TTFT p50 (ms) | {_ms(s['ttft_s']['p50'])} | {_ms(row['speculative_ttft_p50_s'])} |"]
 
 
-def _equivalence_lines(eq: dict) -> list[str]:
+def _equivalence_lines(eq: dict, label: str) -> list[str]:
     if eq["mode"] == "sampling":
         out = [f"Sampling: {eq['note']}", ""]
         if eq.get("tests"):
@@ -101,15 +101,15 @@ def _equivalence_lines(eq: dict) -> list[str]:
                     f"{t['tv']:.4f} | {t['tv_tolerance']:.4f} | {t['speculative_rounds']} | "
                     f"{'pass' if t['passed'] else 'FAIL'} |" for t in eq["tests"]]
         return out
-    out = [f"Greedy: vLLM-speculative equals vLLM-target-only on {eq['checked'] - _pairs_mismatched(eq)} of "
+    out = [f"Greedy: {label}-speculative equals {label}-target-only on {eq['checked'] - _pairs_mismatched(eq)} of "
            f"{eq['checked']} (prompt, method, level) pairs ({'passed' if eq['passed'] else 'FAILED'})."]
     if eq.get("target_only_across_levels"):
         x = eq["target_only_across_levels"]
-        out.append(f"vLLM target-only at concurrency {x['levels'][0]} and {x['levels'][1]}: {x['mismatches']} of "
+        out.append(f"{label} target-only at concurrency {x['levels'][0]} and {x['levels'][1]}: {x['mismatches']} of "
                    f"{x['checked']} prompts differ (batch composition can change rounding; informative only).")
     if eq.get("vs_specdec"):
         x = eq["vs_specdec"]
-        out.append(f"vLLM target-only (concurrency {x['concurrency']}) against specdec's decoder: {x['mismatches']} "
+        out.append(f"{label} target-only (concurrency {x['concurrency']}) against specdec's decoder: {x['mismatches']} "
                    f"of {x['checked']} prompts differ.")
     if eq.get("mismatched_prompts"):
         out += ["", "| prompt | method | concurrency | first differing position | target-only | speculative |",
