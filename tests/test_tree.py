@@ -9,7 +9,7 @@ from transformers import DynamicCache
 
 import specdec.tree
 from specdec import SamplingConfig, replay, speculative_generate, target_generate
-from specdec.decode import DecodeStats, TreeTrace
+from specdec.outputs import DecodeStats, TreeTrace
 from specdec.drafter import make_drafter
 from specdec.eagle3 import Eagle3Draft
 from specdec.eval import verify as verify_cmd
