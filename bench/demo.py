@@ -23,7 +23,8 @@ from pathlib import Path
 import results  # bench/results.py (this script runs with bench/ on its path)
 
 from specdec.demo import _print_summary
-from specdec.eval.runner import EvalConfig, run
+from specdec.eval.config import EvalConfig
+from specdec.eval.runner import run
 
 
 def demo_section(out: Path) -> str:

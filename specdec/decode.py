@@ -245,18 +245,19 @@ def speculative_generate(
     draft,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
-    num_draft_tokens: int = 4,
+    num_draft_tokens: int | Proposal = 4,
     sampling: SamplingConfig = GREEDY,
     max_new_tokens: int = 64,
     eos_token_id: int | list[int] | None = None,
     generator: torch.Generator | None = None,
-    tree: Proposal | TreeSpec | str | None = None,
+    tree: TreeSpec | str | None = None,
     **options,
 ) -> GenerateOutput:
     """Speculative decoding, exact: greedy output equals `target_generate`'s; sampled output is distributed as p.
 
-    Each round proposes a chain of `num_draft_tokens`, or with `tree` (a shape such as "3x1x1" or "dyn8", a
-    `TreeSpec` or a `Proposal`) a draft tree (specdec/tree.py), one prompt at a time; a width-1 tree is the chain.
+    Each round proposes a chain of `num_draft_tokens` (or what a `Proposal` given there says), or with `tree` (a
+    shape such as "3x1x1" or "dyn8", or a `TreeSpec`) a draft tree (specdec/tree.py), one prompt at a time; a
+    width-1 tree is the chain.
     `options`: the rest of `DecodeOptions` (pad_token_id, timing, trace)."""
     settings = DecodeOptions(sampling, max_new_tokens, eos_token_id, **options)
     proposal = Proposal.of(num_draft_tokens if tree is None else tree)
