@@ -190,7 +190,11 @@ class _Decoding:
             self.rounds.append(trace)
 
     def finish(self) -> GenerateOutput:
+        """The output after the last round: tau's numerator counts the tokens the rounds appended."""
         self.stats.emitted = int(self.batch.live_appended - self.first_tokens)
+        return self._output()
+
+    def _output(self) -> GenerateOutput:
         return GenerateOutput(self.batch.sequences(), self.stats, self.batch.prompt_length, self.rounds,
                               self.clock.marks)
 
@@ -202,8 +206,7 @@ class _Decoding:
         rollback(self.cache, self.batch.length - 1)
         self.batch.seq[:, self.batch.length :] = self.batch.pad_token_id  # clear any proposals written past the end
         self.target_steps()
-        return GenerateOutput(self.batch.sequences(), self.stats, self.batch.prompt_length, self.rounds,
-                              self.clock.marks)
+        return self._output()
 
 
 @torch.inference_mode()
