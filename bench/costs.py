@@ -18,7 +18,7 @@ import platform
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from specdec.eval.runner import measure_costs
+from specdec.eval.timing import measure_costs
 from specdec.models import EMBEDDED_TARGET, load_model
 from specdec.train.draft import derive_draft
 

@@ -25,6 +25,7 @@ import torch
 from specdec import fast_linear, target_generate
 from specdec.decode import speculative_generate
 from specdec.models import EMBEDDED_TARGET, load_model, load_tokenizer
+from specdec.outputs import DecodeStats
 from specdec.prompts import encode_prompt, read_prompts
 
 SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "specbench_mtbench.jsonl"
@@ -61,8 +62,18 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="float32", help="both models' dtype (bfloat16 on CPUs that do it natively)")
     args = parser.parse_args()
-
     torch.manual_seed(0)
+    tokenizer, target, draft = _load(args)
+    eos = tokenizer.eos_token_id
+    prompts = read_prompts(args.prompts_file, limit=args.prompts + 1)
+    encoded = [torch.tensor([encode_prompt(tokenizer, p.messages[:1])]) for p in prompts]
+    modes, stats = _modes(args, target, draft, eos)
+    seconds, tokens, forward_share = _time_modes(modes, encoded, target, draft)
+    report(args, modes, seconds, tokens, stats[1:], forward_share, len(encoded) - 1)
+
+
+def _load(args):
+    """The tokenizer, the target and the draft (derived from the target's layers unless one is given)."""
     tokenizer = load_tokenizer(args.target)
     target = load_model(args.target, dtype=args.dtype, device="cpu")
     if args.draft:
@@ -76,10 +87,12 @@ def main() -> None:
     draft.generation_config.num_assistant_tokens = args.k
     draft.generation_config.num_assistant_tokens_schedule = "constant"
     draft.generation_config.assistant_confidence_threshold = 0.0
-    eos = tokenizer.eos_token_id
+    return tokenizer, target, draft
 
-    prompts = read_prompts(args.prompts_file, limit=args.prompts + 1)
-    encoded = [torch.tensor([encode_prompt(tokenizer, p.messages[:1])]) for p in prompts]
+
+def _modes(args, target, draft, eos):
+    """The decoders compared, by name, and the list the speculative one's counters go to."""
+    stats: list = []
 
     def run_target(ids):
         return target_generate(target, ids, max_new_tokens=args.max_new_tokens, eos_token_id=eos).sequences
@@ -111,10 +124,14 @@ def main() -> None:
              "target alone, plain linears": plain_linears(run_target),
              "specdec speculative, plain linears": plain_linears(lambda ids: speculate(ids).sequences),
              "transformers assisted": run_assisted}
+    return modes, stats
+
+
+def _time_modes(modes: dict, encoded: list, target, draft):
+    """Every mode on every prompt in turn (prompt 0 untimed, the warm-up), each checked against the target alone."""
     seconds = {name: 0.0 for name in modes}
     tokens = {name: 0 for name in modes}
     forward_share: list[float] = []
-    stats: list = []
     with torch.inference_mode():
         for index, ids in enumerate(encoded):
             reference = None
@@ -134,8 +151,7 @@ def main() -> None:
                 if index > 0:  # prompt 0 is the warm-up
                     seconds[name] += elapsed
                     tokens[name] += len(new)
-
-    report(args, modes, seconds, tokens, stats[1:], forward_share, len(encoded) - 1)
+    return seconds, tokens, forward_share
 
 
 def report(args, modes, seconds: dict, tokens: dict, stats: list, forward_share: list[float], prompts: int) -> None:
@@ -149,8 +165,8 @@ def report(args, modes, seconds: dict, tokens: dict, stats: list, forward_share:
     for name in modes:
         print(f"| {name} | {rate[name]:.1f} | {rate[name] / rate['target alone']:.2f}x | "
               f"{rate[name] / rate['transformers assisted']:.2f}x |")
-    accepted = sum(s.accepted for s in stats) / max(1, sum(s.proposed for s in stats))
-    tau = sum(s.emitted for s in stats) / max(1, sum(s.row_rounds for s in stats))
+    merged = DecodeStats.merged(stats)
+    accepted, tau = merged.acceptance_rate, merged.mean_accepted_tokens
     outside = 1 - statistics.median(forward_share[1:])
     print(f"\nspecdec: acceptance rate {accepted:.3f}, mean accepted tokens {tau:.2f}, "
           f"time outside forward calls {100 * outside:.1f}% of the call (median over prompts)")

@@ -23,7 +23,8 @@ from pathlib import Path
 import results  # bench/results.py (this script runs with bench/ on its path)
 
 from specdec.demo import _print_summary
-from specdec.eval.runner import EvalConfig, run
+from specdec.eval.config import EvalConfig
+from specdec.eval.runner import run
 
 
 def demo_section(out: Path) -> str:
@@ -41,7 +42,7 @@ def demo_section(out: Path) -> str:
              f"- training: {trained.get('steps', trained.get('global_step'))} steps "
              f"({timings['train_s'] / 60:.1f} min); best held-out: "
              + json.dumps(trained.get("best", {}), default=str)[:300],
-             f"- eval ({timings['eval_s'] / 60:.1f} min): k = {report['config']['num_draft_tokens']}, tokens/s "
+             f"- eval ({timings['eval_s'] / 60:.1f} min): {report['recommended']['proposal']}, tokens/s "
              f"{b['tokens_per_s']:.2f} target alone / {s['tokens_per_s']:.2f} speculative, speedup "
              f"{report['speedup']:.3f}, acceptance {s['acceptance_rate']:.3f}, tau {s['mean_accepted_tokens']:.3f},"
              f" per position {[round(x, 3) for x in s['per_position_acceptance']]}",
@@ -55,7 +56,7 @@ def demo_section(out: Path) -> str:
 def vllm_section(out: Path, prompts: int, max_new_tokens: int) -> str:
     """`specdec eval engine=specdec,vllm` on the demo's published draft: one report, both engines."""
     report = json.loads((out / "eval" / "report.json").read_text())
-    k = report["config"]["num_draft_tokens"]
+    k = report["config"]["num_draft_tokens"] or report["config"]["tree_depth"]  # a tree: vLLM's chain of its depth
     cfg = EvalConfig(target=report["config"]["target"], draft=str(out / "draft"), prompts="embedded:heldout",
                      num_prompts=prompts, max_new_tokens=max_new_tokens, num_draft_tokens=[k], dtype="float32",
                      engine=["specdec", "vllm"], concurrency=[1, 4, 16], vllm_ngram=True,

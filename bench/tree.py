@@ -5,7 +5,7 @@
     python bench/tree.py --plain                           # then the same sweep with PyTorch's F.linear everywhere
 
 Greedy, batch 1, the demo's held-out prompts (embedded:heldout) and token budget; every chain k and every tree
-shape is decoded prompt by prompt in turn with the target alone (specdec/eval/runner.py: A/B order alternating),
+shape is decoded prompt by prompt in turn with the target alone (specdec/eval/measure.py: A/B order alternating),
 so each speedup is against the baseline measured in this run. Prints, and writes to docs/results/, each
 configuration's speedup, tau, acceptance, nodes per round and equivalence, then the best tree over the best chain;
 then what `choose_k` predicts for the static shapes from the draft's teacher-forced ranks (first 4 prompts), and
@@ -23,12 +23,14 @@ import torch
 
 from specdec import fast_linear
 from specdec.eval import proposals
-from specdec.eval.runner import EvalConfig, choose_num_draft_tokens, run
+from specdec.eval.choose import choose_num_draft_tokens
+from specdec.eval.config import EvalConfig
+from specdec.eval.runner import run
 from specdec.eval.verify import first_turn, resolve_prompts_path
 from specdec.models import load_model, load_tokenizer, resolve_device
 from specdec.prompts import encode_prompt, read_prompts
+from specdec.proposal import Proposal
 from specdec.tokens import tokenizer_pad_id
-from specdec.tree import TreeSpec
 
 DEFAULT_TREES = "2x1,3x1,4x1,3x1x1,4x1x1,2x2x1,3x2x1,4x2x1x1,dyn6-d3-w3,dyn10-d4-w3"
 
@@ -37,7 +39,7 @@ def sweep_table(report: dict) -> tuple[str, dict, dict]:
     rows = report["sweep"]
     lines = ["| proposal | speedup | tokens/s target / speculative | tau | acceptance | per depth | nodes per round "
              "| v(n+1) | identical |", "|---|---:|---:|---:|---:|---|---:|---:|---|"]
-    for r in sorted(rows, key=lambda r: (r["tree"] is not None, r["num_draft_tokens"], r["proposal"])):
+    for r in sorted(rows, key=lambda r: (r["tree"] is not None, r["num_draft_tokens"] or r["tree_depth"], r["proposal"])):
         nodes = r.get("nodes_per_round")
         lines.append(f"| {r['proposal']} | {r['speedup']:.3f} | {r['baseline_tokens_per_s']:.2f} / "
                      f"{r['speculative_tokens_per_s']:.2f} | {r['mean_accepted_tokens']:.3f} | "
@@ -49,7 +51,7 @@ def sweep_table(report: dict) -> tuple[str, dict, dict]:
     return "\n".join(lines), max(chains, key=lambda r: r["speedup"]), max(trees, key=lambda r: r["speedup"])
 
 
-def predicted_section(cfg: EvalConfig, candidates: list) -> str:
+def predicted_section(cfg: EvalConfig, candidates: list[Proposal]) -> str:
     """choose_k's prediction for chains and static trees (no timed decoding)."""
     device = resolve_device(cfg.device)
     tokenizer = load_tokenizer(cfg.target)
@@ -60,8 +62,8 @@ def predicted_section(cfg: EvalConfig, candidates: list) -> str:
                                  tokenizer_pad_id(tokenizer), device)
     lines = ["| proposal | replayed tau | v(n+1) | predicted speedup |", "|---|---:|---:|---:|"]
     for p in candidates:
-        key = proposals.label(p)
-        lines.append(f"| {key} | {ck['tau'][key]:.3f} | {ck['v'][str(proposals.verified_nodes(p))]:.3f} | "
+        key = p.label
+        lines.append(f"| {key} | {ck['tau'][key]:.3f} | {ck['v'][str(p.verified_nodes)]:.3f} | "
                      f"{ck['predicted_speedup'][key]:.3f} |")
     top = ck["top_n_agreement"]
     lines += ["", f"choose_k would pick {proposals.label(ck['chosen'])} (c = {ck['c']:.3f}). Teacher-forced top-n "
@@ -92,7 +94,7 @@ def main() -> None:
     chains = [int(k) for k in args.chains.split(",")]
     trees = proposals.normalise_trees(args.trees.split(","))
     cfg = EvalConfig(target=args.target, draft=args.draft, prompts="embedded:heldout", num_prompts=args.prompts,
-                     max_new_tokens=args.max_new_tokens, num_draft_tokens=chains, tree=trees, dtype=args.dtype,
+                     max_new_tokens=args.max_new_tokens, num_draft_tokens=chains, tree=[t.value for t in trees], dtype=args.dtype,
                      out=args.out, threads=torch.get_num_threads())
     body = [f"Draft `{args.draft}`, target `{args.target}` ({args.dtype}), the first "
             f"{args.prompts} held-out prompts, {args.max_new_tokens} new tokens, greedy, batch 1; one run, every row "
@@ -115,7 +117,7 @@ def main() -> None:
             f"{name}: {row['proposal']} at {row['speculative_tokens_per_s']:.2f} tokens/s (target alone "
             f"{row['baseline_tokens_per_s']:.2f})" for name, row in best.items()) + ".", ""]
     body += ["## What choose_k predicts (first 4 prompts, teacher-forced ranks, costs timed)", "",
-             predicted_section(cfg, [*chains, *(t for t in trees if not TreeSpec.parse(t).dynamic)])]
+             predicted_section(cfg, [*map(Proposal.chain, chains), *(t for t in trees if not t.tree.dynamic)])]
     text = "\n".join(body)
     print(text)
     print(f"\nwritten to {results.write(args.results_name, '', text, provenance)}")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 
 from specdec.config import config_from_cli
-from specdec.eval.runner import EvalConfig, run
+from specdec.eval.config import EvalConfig
+from specdec.eval.runner import run
 from specdec.eval.verify import VerifyConfig, format_result, run_verify
 
 log = logging.getLogger(__name__)

@@ -66,7 +66,7 @@ def speedup_vs_k(rows: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     trees, rows = [r for r in rows if r.get("tree")], [r for r in rows if not r.get("tree")]
     for r in trees:
-        ax.plot([r["num_draft_tokens"]], [r["speedup"]], marker="*", markersize=10, linestyle="none",
+        ax.plot([r["tree_depth"]], [r["speedup"]], marker="*", markersize=10, linestyle="none",
                 label=f"measured, tree {r['tree']}")
     for b in sorted({r["batch_size"] for r in rows}):
         sel = sorted((r for r in rows if r["batch_size"] == b), key=lambda r: r["num_draft_tokens"])
@@ -75,7 +75,7 @@ def speedup_vs_k(rows: list[dict], path: Path) -> None:
         ax.plot(ks, [r["analytical_speedup"] for r in sel], marker="x", linestyle="--", color=line.get_color(),
                 label=f"analytical, batch {b}")
     ax.axhline(1.0, color="grey", linewidth=0.8)
-    ax.set_xticks(sorted({r["num_draft_tokens"] for r in rows + trees}))
+    ax.set_xticks(sorted({r["num_draft_tokens"] for r in rows} | {r["tree_depth"] for r in trees}))
     ax.set_xlabel("k (draft tokens per round)")
     ax.set_ylabel("speedup over target-only")
     ax.set_title("Speedup vs k")

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 from specdec import fast_linear
-from specdec.eval import proposals
 from specdec.eval.engine import markdown as engine_markdown
+from specdec.proposal import Proposal
 
 FORMULA = (
     "Analytical speedup (Leviathan et al. 2022, with per-position acceptance and a measured verify cost):\n\n"
@@ -33,8 +33,13 @@ def _ms(x) -> str:
     return "n/a" if x is None else f"{1e3 * x:.1f}"
 
 
-def _proposal(p) -> str:
-    return f"tree {p}" if proposals.is_tree(p) else f"k = {p}"
+def _proposal(value) -> str:
+    """A proposal's JSON value (k, or a tree's shape) as prose: "k = 2", "tree 3x1x1"."""
+    return str(Proposal.of(value))
+
+
+def _label(value) -> str:
+    return Proposal.of(value).label
 
 
 def _gates_text(failed: list[str]) -> str:
@@ -44,11 +49,11 @@ def _gates_text(failed: list[str]) -> str:
 def _choice_text(ck: dict) -> str:
     """Whether the chosen proposal passes the thresholds, and the fastest beside it when that one fails."""
     chosen, fastest, failed = ck["chosen"], ck["fastest"], ck["failed_gates"]
-    if failed[proposals.label(chosen)]:
+    if failed[_label(chosen)]:
         return (f"No proposal passes every threshold fixed before the run on these figures: the fastest, "
                 f"{_proposal(fastest)}, was measured, and the verdict below judges it.")
     if chosen != fastest:
-        return (f"The fastest predicted, {_proposal(fastest)}, fails {_gates_text(failed[proposals.label(fastest)])}: "
+        return (f"The fastest predicted, {_proposal(fastest)}, fails {_gates_text(failed[_label(fastest)])}: "
                 f"{_proposal(chosen)} is the fastest that passes every threshold fixed before the run.")
     return "It is also the fastest predicted, and passes every threshold fixed before the run on these figures."
 
@@ -59,9 +64,9 @@ def _choose_k_lines(ck: dict | None) -> list[str]:
         return []
     rows = []
     for p in ck["candidates"]:
-        key = proposals.label(p)
+        key = _label(p)
         rows.append(f"| {_proposal(p)} | {ck['tau'][key]:.3f} | {ck['acceptance_rate'][key]:.3f} | "
-                    f"{ck['v'][str(proposals.verified_nodes(p))]:.3f} | {ck['predicted_speedup'][key]:.3f} | "
+                    f"{ck['v'][str(Proposal.of(p).verified_nodes)]:.3f} | {ck['predicted_speedup'][key]:.3f} | "
                     f"{ck['memory_overhead_mb'][key]:.1f} / {ck['memory_limit_mb'][key]:.1f} | "
                     f"{_gates_text(ck['failed_gates'][key])} |")
     lines = [f"{_proposal(ck['chosen'])} was chosen before the timed runs by predicted speedup tau / (d c + v(n+1)) "
@@ -71,9 +76,9 @@ def _choose_k_lines(ck: dict | None) -> list[str]:
              "speedup and its accounted memory; equivalence is judged on the timed run.",
              _choice_text(ck)]
     best_chain = ck.get("best_chain")
-    if isinstance(ck["chosen"], str) and best_chain is not None:
+    if Proposal.of(ck["chosen"]).is_tree and best_chain is not None:
         predicted = ck["predicted_speedup"]
-        gain = predicted[proposals.label(ck["chosen"])] / predicted[proposals.label(best_chain)]
+        gain = predicted[_label(ck["chosen"])] / predicted[_label(best_chain)]
         lines.append(f"The tree is predicted {gain:.3f}x the best chain's speed (k = {best_chain}).")
     return [*lines, "", "| proposal | tau | acceptance | v(n+1) | predicted speedup | memory / limit (MB) | fails |",
             "|---|---:|---:|---:|---:|---:|---|", *rows, ""]
@@ -184,7 +189,7 @@ def to_markdown(r: dict) -> str:
         f"acceptance rate **{s['acceptance_rate']:.3f}**, equivalence **{_eq_word(eq)}**.",
         "",
         f"Target `{cfg['target']}`, draft `{cfg['draft']}`; "
-        f"{_proposal(cfg['tree']) if cfg.get('tree') else _proposal(cfg['num_draft_tokens'])}, batch size "
+        f"{_proposal(cfg.get('tree') or cfg['num_draft_tokens'])}, batch size "
         f"{cfg['batch_size']} (recommended by {cfg['recommend_by']}); {cfg['num_prompts']} prompts from "
         f"`{cfg['prompts']}`, max_new_tokens {cfg['max_new_tokens']}, temperature {cfg['temperature']}, top_k "
         f"{cfg['top_k']}, top_p {cfg['top_p']}, seed {cfg['seed']}, {cfg['warmup']} warm-up pass(es) excluded.",
@@ -206,34 +211,47 @@ def to_markdown(r: dict) -> str:
         "",
     ]
     lines += _equivalence_md(eq)
-    if r.get("sweep"):
-        lines += ["", "## Sweep", "",
-                  "| proposal | batch | speedup | analytical | tokens/s target-only | tokens/s speculative | acceptance | tau "
-                  "| c | v | equivalent | verdict (failing) |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
-        for row in r["sweep"]:
-            mark = " **(recommended)**" if (row["num_draft_tokens"], row.get("tree"), row["batch_size"]) == (
-                cfg["num_draft_tokens"], cfg.get("tree"), cfg["batch_size"]) else ""
-            lines.append(
-                f"| {row.get('proposal', row['num_draft_tokens'])}{mark} | {row['batch_size']} | {row['speedup']:.3f} | "
-                f"{row['analytical_speedup']:.3f} | {row['baseline_tokens_per_s']:.2f} | "
-                f"{row['speculative_tokens_per_s']:.2f} | {row['acceptance_rate']:.3f} | "
-                f"{row['mean_accepted_tokens']:.3f} | {row['c']:.3f} | {row['v']:.3f} | "
-                f"{_eq_word({'passed': row['equivalence_passed']})} | {row['verdict']}"
-                + (f" ({_gates_text(row['failed_gates'])})" if row.get("failed_gates") else "") + " |")
-    if r.get("categories"):
-        lines += ["", "## By category", "",
-                  "| category | prompts | tokens/s target-only | tokens/s speculative | speedup | acceptance | tau |",
-                  "|---|---:|---:|---:|---:|---:|---:|"]
-        for cat, c in r["categories"].items():
-            lines.append(f"| {cat} | {c['prompts']} | {c['baseline_tokens_per_s']:.2f} | "
-                         f"{c['speculative_tokens_per_s']:.2f} | {c['speedup']:.3f} | {c['acceptance_rate']:.3f} | "
-                         f"{c['mean_accepted_tokens']:.3f} |")
-        lines += ["", "For batch sizes above 1 a batch's time and counters are shared equally among its prompts."]
+    lines += _sweep_lines(r) + _category_lines(r)
     if r.get("engine"):  # engine=specdec,vllm: the serving engine's figures beside the decoder's
         lines += engine_markdown.markdown_lines(r)
     lines += _method_lines(r)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _sweep_lines(r: dict) -> list[str]:
+    """Every configuration measured, the recommended one marked."""
+    if not r.get("sweep"):
+        return []
+    cfg = r["config"]
+    lines = ["", "## Sweep", "",
+             "| proposal | batch | speedup | analytical | tokens/s target-only | tokens/s speculative | acceptance | tau "
+             "| c | v | equivalent | verdict (failing) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    for row in r["sweep"]:
+        mark = " **(recommended)**" if (row["num_draft_tokens"], row.get("tree"), row["batch_size"]) == (
+            cfg["num_draft_tokens"], cfg.get("tree"), cfg["batch_size"]) else ""
+        lines.append(
+            f"| {row.get('proposal', row['num_draft_tokens'])}{mark} | {row['batch_size']} | {row['speedup']:.3f} | "
+            f"{row['analytical_speedup']:.3f} | {row['baseline_tokens_per_s']:.2f} | "
+            f"{row['speculative_tokens_per_s']:.2f} | {row['acceptance_rate']:.3f} | "
+            f"{row['mean_accepted_tokens']:.3f} | {row['c']:.3f} | {row['v']:.3f} | "
+            f"{_eq_word({'passed': row['equivalence_passed']})} | {row['verdict']}"
+            + (f" ({_gates_text(row['failed_gates'])})" if row.get("failed_gates") else "") + " |")
+    return lines
+
+
+def _category_lines(r: dict) -> list[str]:
+    """The figures per prompt category, when the prompts have categories."""
+    if not r.get("categories"):
+        return []
+    lines = ["", "## By category", "",
+             "| category | prompts | tokens/s target-only | tokens/s speculative | speedup | acceptance | tau |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for cat, c in r["categories"].items():
+        lines.append(f"| {cat} | {c['prompts']} | {c['baseline_tokens_per_s']:.2f} | "
+                     f"{c['speculative_tokens_per_s']:.2f} | {c['speedup']:.3f} | {c['acceptance_rate']:.3f} | "
+                     f"{c['mean_accepted_tokens']:.3f} |")
+    return [*lines, "", "For batch sizes above 1 a batch's time and counters are shared equally among its prompts."]
 
 
 def _eq_word(eq: dict) -> str:

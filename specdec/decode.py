@@ -28,107 +28,28 @@ from transformers import PreTrainedModel
 from specdec.draft_registry import make_drafter
 from specdec.fast_linear import fast_linears
 from specdec.kv import Batch, cache_kwarg, forward_cached, forward_masked, keep_path, prefill, rollback
+from specdec.outputs import DecodeStats, GenerateOutput, RoundTrace, TreeTrace
+from specdec.proposal import Proposal
 from specdec.sampling import SamplingConfig, next_token, probabilities
 from specdec.tokens import pad_id
-from specdec.tree import Tree, TreeSpec, describe_round, greedy_walk, grow, sampled_walk, verification_inputs
+from specdec.tree import TreeSpec, greedy_walk, grow, sampled_walk, verification_inputs
 from specdec.verify import greedy_verify, rejection_verify
 
 log = logging.getLogger(__name__)
 GREEDY = SamplingConfig()  # frozen, so safe as a shared default
 
 
-@dataclass
-class DecodeStats:
-    """Counts over all rounds and unfinished rows; names as in docs/design.md."""
+@dataclass(frozen=True)
+class DecodeOptions:
+    """How a request decodes, apart from the models, the prompts, the proposal and the random generator: the
+    keyword arguments of `target_generate` and `speculative_generate`, as one value the loops read."""
 
-    num_draft_tokens: int = 0
-    rounds: int = 0  # verification forwards of the target (batch-wide)
-    row_rounds: int = 0  # rounds x rows still generating: the denominator of the per-row means
-    proposed: int = 0
-    accepted: int = 0
-    emitted: int = 0  # tokens appended during rounds (corrections and bonuses included)
-    corrections: int = 0
-    bonus: int = 0
-    target_forwards: int = 0
-    draft_forwards: int = 0
-    position_tried: list[int] = field(default_factory=list)  # [k] rounds that reached draft position i
-    position_accepted: list[int] = field(default_factory=list)  # [k] ... and accepted it
-    fallback: bool = False
-    fallback_reason: str | None = None
-    tree: str | None = None  # the tree shape (specdec/tree.py), None for a chain
-    tree_nodes: int = 0  # nodes verified over all rounds (a chain's: proposed)
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.proposed if self.proposed else 0.0
-
-    @property
-    def mean_accepted_tokens(self) -> float:
-        """tau: tokens emitted per round per row, the correction or bonus token included."""
-        return self.emitted / self.row_rounds if self.row_rounds else 0.0
-
-    @property
-    def per_position_acceptance(self) -> list[float]:
-        """P(draft token i accepted | tokens < i accepted), i = 1..k."""
-        return [a / t if t else 0.0 for a, t in zip(self.position_accepted, self.position_tried)]
-
-    def as_dict(self) -> dict:
-        return {
-            "rounds": self.rounds,
-            "proposed": self.proposed,
-            "accepted": self.accepted,
-            "acceptance_rate": self.acceptance_rate,
-            "mean_accepted_tokens": self.mean_accepted_tokens,
-            "per_position_acceptance": self.per_position_acceptance,
-            "corrections": self.corrections,
-            "bonus": self.bonus,
-            "emitted": self.emitted,
-            "target_forwards": self.target_forwards,
-            "draft_forwards": self.draft_forwards,
-            "fallback": self.fallback,
-            "fallback_reason": self.fallback_reason,
-            "tree": self.tree,
-            "tree_nodes": self.tree_nodes,
-        }
-
-
-@dataclass
-class RoundTrace:
-    """One round, per row: what was proposed, how much was accepted, and the target's own token."""
-
-    proposed: torch.Tensor  # [B, k]
-    num_accepted: torch.Tensor  # [B]
-    next_token: torch.Tensor  # [B] correction (num_accepted < k) or bonus (== k)
-    advanced: int  # T + 1 tokens appended to every row
-
-
-@dataclass
-class TreeTrace:
-    """One tree round (batch 1): the tree, the accepted path (node indices) and the target's own token."""
-
-    tree: Tree
-    path: list[int]
-    next_token: int  # correction (no child matched) or bonus (a leaf was reached)
-    advanced: int
-
-    def describe(self, decode=str) -> str:
-        """The tree, the accepted path (*) and the correction or bonus, as text (`decode`: id -> str)."""
-        return describe_round(self.tree, self.path, self.next_token, decode)
-
-
-@dataclass
-class GenerateOutput:
-    sequences: torch.Tensor  # [B, prompt_len + new] rows padded after their EOS
-    stats: DecodeStats
-    prompt_length: int
-    trace: list[RoundTrace] = field(default_factory=list)
-    # (seconds since the call began, tokens appended to each row) after the first token and each step;
-    # filled when timing=True (device-synchronised), for TTFT and inter-token latency.
-    timings: list[tuple[float, int]] = field(default_factory=list)
-    # target_generate(top_logprobs=n): the target's n most likely ids and their log-softmax (raw logits,
-    # temperature 1, no warping) at each generated position, [B, new, n]; None otherwise.
-    top_ids: torch.Tensor | None = None
-    top_logprobs: torch.Tensor | None = None
+    sampling: SamplingConfig = GREEDY
+    max_new_tokens: int = 64
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    timing: bool = False  # device-synchronised marks after each step, for TTFT and inter-token latency
+    trace: bool = False  # keep every round (RoundTrace, TreeTrace)
 
 
 def _with_fast_linears(*names: str):
@@ -217,14 +138,75 @@ class _TopN:
         return torch.stack(self.ids, dim=1), torch.stack(self.logprobs, dim=1)
 
 
-def _target_steps(target, cache, batch, sampling, generator, stats, clock, kwarg, top_n=None) -> None:
-    """Target-only decoding from the current state until done: the baseline, and the fallback."""
-    while not batch.done():
-        logits = forward_cached(target, cache, batch, batch.length, 1, kwarg)[:, -1]  # [B, V]
-        stats.target_forwards += 1
+@dataclass
+class _Decoding:
+    """One request's state from the prefill to the output, shared by the baseline, the chain and the tree loops
+    and the fallback: the models' common bookkeeping lives here, once."""
+
+    target: object
+    batch: Batch
+    options: DecodeOptions
+    generator: torch.Generator | None
+    stats: DecodeStats
+    clock: _Clock
+    kwarg: str = ""
+    cache: object = None  # the target's KV cache, after `prefill`
+    first_tokens: torch.Tensor | None = None  # live tokens before the first round (tau counts rounds' tokens)
+    rounds: list = field(default_factory=list)  # RoundTrace / TreeTrace, when options.trace
+
+    @classmethod
+    def new(cls, target, input_ids, attention_mask, options: DecodeOptions, generator, lookahead: int,
+            stats: DecodeStats) -> _Decoding:
+        pad = pad_id(options.pad_token_id, options.eos_token_id)
+        batch = Batch(input_ids, attention_mask, options.max_new_tokens, lookahead, options.eos_token_id, pad)
+        return cls(target, batch, options, generator, stats, _Clock(options.timing, input_ids.device))
+
+    def prefill(self, top_n: _TopN | None = None) -> None:
+        """The target's prefill and the first token, which comes from it."""
+        self.kwarg = cache_kwarg(self.target)
+        self.cache, logits = prefill(self.target, self.batch, self.kwarg)
+        self.stats.target_forwards += 1
         if top_n is not None:
             top_n(logits)
-        clock.mark(batch.append(next_token(logits, sampling, generator)[:, None]))
+        self.clock.mark(self.batch.append(next_token(logits, self.options.sampling, self.generator)[:, None]))
+        self.first_tokens = self.batch.live_appended.clone()
+
+    def target_steps(self, top_n: _TopN | None = None) -> None:
+        """Target-only decoding from the current state until done: the baseline, and the fallback."""
+        batch = self.batch
+        while not batch.done():
+            logits = forward_cached(self.target, self.cache, batch, batch.length, 1, self.kwarg)[:, -1]  # [B, V]
+            self.stats.target_forwards += 1
+            if top_n is not None:
+                top_n(logits)
+            self.clock.mark(batch.append(next_token(logits, self.options.sampling, self.generator)[:, None]))
+
+    def keep(self, appended: int, trace) -> None:
+        """After a round appended its tokens: the time mark, the target's cache cut to the kept prefix (a cut at
+        max_new_tokens may have appended less than was accepted), the trace."""
+        self.clock.mark(appended)
+        rollback(self.cache, self.batch.length - 1)
+        if self.options.trace:
+            self.rounds.append(trace)
+
+    def finish(self) -> GenerateOutput:
+        """The output after the last round: tau's numerator counts the tokens the rounds appended."""
+        self.stats.emitted = int(self.batch.live_appended - self.first_tokens)
+        return self._output()
+
+    def _output(self) -> GenerateOutput:
+        return GenerateOutput(self.batch.sequences(), self.stats, self.batch.prompt_length, self.rounds,
+                              self.clock.marks)
+
+    def fall_back(self, err: Exception) -> GenerateOutput:
+        """Finish the request target-only after a draft failure (functional fallback, rule 7)."""
+        log.warning("draft failed (%s: %s); finishing this request with the target alone", type(err).__name__, err)
+        self.stats.fallback, self.stats.fallback_reason = True, f"{type(err).__name__}: {err}"
+        self.stats.emitted = int(self.batch.live_appended - self.first_tokens)
+        rollback(self.cache, self.batch.length - 1)
+        self.batch.seq[:, self.batch.length :] = self.batch.pad_token_id  # clear any proposals written past the end
+        self.target_steps()
+        return self._output()
 
 
 @torch.inference_mode()
@@ -237,28 +219,25 @@ def target_generate(
     max_new_tokens: int = 64,
     eos_token_id: int | list[int] | None = None,
     generator: torch.Generator | None = None,
-    pad_token_id: int | None = None,
-    timing: bool = False,
     top_logprobs: int = 0,
+    **options,
 ) -> GenerateOutput:
     """Target-only decoding with a KV cache: the baseline that speculative decoding must match.
 
     `top_logprobs=n` also keeps the n most likely ids and log-probs at every generated position (the
-    distillation teacher signal), taken from the decoding logits themselves.
+    distillation teacher signal), taken from the decoding logits themselves. `options`: the rest of
+    `DecodeOptions` (pad_token_id, timing).
     """
+    settings = DecodeOptions(sampling, max_new_tokens, eos_token_id, **options)
     _check_inputs(target, input_ids, attention_mask, max_new_tokens, lookahead=0)
     if top_logprobs < 0:
         raise ValueError(f"top_logprobs must be >= 0 (0 = off), got {top_logprobs}")
-    batch = Batch(input_ids, attention_mask, max_new_tokens, 0, eos_token_id, pad_id(pad_token_id, eos_token_id))
-    stats, clock, kwarg = DecodeStats(), _Clock(timing, input_ids.device), cache_kwarg(target)
+    state = _Decoding.new(target, input_ids, attention_mask, settings, generator, 0, DecodeStats())
     top_n = _TopN(top_logprobs)
-    cache, logits = prefill(target, batch, kwarg)
-    stats.target_forwards += 1
-    top_n(logits)
-    clock.mark(batch.append(next_token(logits, sampling, generator)[:, None]))
-    _target_steps(target, cache, batch, sampling, generator, stats, clock, kwarg, top_n)
+    state.prefill(top_n)
+    state.target_steps(top_n)
     top_ids, top_lp = top_n.stacked()
-    return GenerateOutput(batch.sequences(), stats, batch.prompt_length, timings=clock.marks,
+    return GenerateOutput(state.batch.sequences(), state.stats, state.batch.prompt_length, timings=state.clock.marks,
                           top_ids=top_ids, top_logprobs=top_lp)
 
 
@@ -269,39 +248,42 @@ def speculative_generate(
     draft,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
-    num_draft_tokens: int = 4,
+    num_draft_tokens: int | Proposal = 4,
     sampling: SamplingConfig = GREEDY,
     max_new_tokens: int = 64,
     eos_token_id: int | list[int] | None = None,
     generator: torch.Generator | None = None,
-    pad_token_id: int | None = None,
-    timing: bool = False,
-    trace: bool = False,
     tree: TreeSpec | str | None = None,
+    **options,
 ) -> GenerateOutput:
     """Speculative decoding, exact: greedy output equals `target_generate`'s; sampled output is distributed as p.
 
-    `tree` (a `TreeSpec` or its text, e.g. "3x1x1" or "dyn8") proposes a draft tree each round instead of a
-    chain of `num_draft_tokens` (specdec/tree.py); one prompt at a time. A width-1 tree is the chain."""
-    spec = TreeSpec.parse(tree) if isinstance(tree, str) else tree
-    if spec is not None and spec.is_chain:
-        num_draft_tokens, spec = spec.max_depth, None
-    k = num_draft_tokens if spec is None else spec.max_depth
-    if spec is not None:
-        input_ids, attention_mask = _tree_inputs(target, draft, input_ids, attention_mask, spec)
+    Each round proposes a chain of `num_draft_tokens` (or what a `Proposal` given there says), or with `tree` (a
+    shape such as "3x1x1" or "dyn8", or a `TreeSpec`) a draft tree (specdec/tree.py), one prompt at a time; a
+    width-1 tree is the chain.
+    `options`: the rest of `DecodeOptions` (pad_token_id, timing, trace)."""
+    settings = DecodeOptions(sampling, max_new_tokens, eos_token_id, **options)
+    proposal = Proposal.of(num_draft_tokens if tree is None else tree)
+    if proposal.is_tree:
+        input_ids, attention_mask = _tree_inputs(target, draft, input_ids, attention_mask, proposal)
+    k = proposal.depth
     _check_inputs(target, input_ids, attention_mask, max_new_tokens, k + 1, draft, k)
-    batch = Batch(input_ids, attention_mask, max_new_tokens, k + 1, eos_token_id, pad_id(pad_token_id, eos_token_id))
-    stats = DecodeStats(num_draft_tokens=k, position_tried=[0] * k, position_accepted=[0] * k,
-                        tree=None if spec is None else str(spec))
-    clock = _Clock(timing, input_ids.device)
+    state = _Decoding.new(target, input_ids, attention_mask, settings, generator, k + 1,
+                          DecodeStats.for_proposal(proposal))
     try:
         drafter = make_drafter(draft, target, sampling)  # before the prefill: it may read the target's forwards
     except Exception as err:  # noqa: BLE001 - any draft failure means target-only, never a failed request
-        return _target_only_after(err, target, batch, sampling, generator, stats, clock)
+        state.prefill()
+        return state.fall_back(err)
     try:
-        if spec is not None:
-            return _speculate_tree(target, drafter, batch, spec, sampling, generator, stats, clock, trace)
-        return _speculate(target, drafter, batch, k, sampling, generator, stats, clock, trace)
+        state.prefill()
+        try:
+            drafter.start(state.batch)
+        except Exception as err:  # noqa: BLE001 - any draft failure means target-only for the rest
+            return state.fall_back(err)
+        if proposal.is_tree:
+            return _speculate(state, drafter, proposal, _propose_tree, _verify_tree)
+        return _speculate(state, drafter, proposal, _propose_chain, _verify_chain)
     finally:
         drafter.close()
 
@@ -309,7 +291,7 @@ def speculative_generate(
 TREE_ATTENTION = ("eager", "sdpa")  # the implementations that read a 4D tensor mask as given (kv.forward_masked)
 
 
-def _tree_inputs(target, draft, input_ids, attention_mask, spec: TreeSpec):
+def _tree_inputs(target, draft, input_ids, attention_mask, proposal: Proposal):
     """One prompt, its padding dropped; models whose attention reads the tree's 4D mask."""
     for name, model in (("target", target), ("draft", draft)):
         attention = getattr(model.config, "_attn_implementation", None)
@@ -318,7 +300,7 @@ def _tree_inputs(target, draft, input_ids, attention_mask, spec: TreeSpec):
                              f"attention read; the {name} uses {attention!r}: load it with "
                              f"attn_implementation='sdpa'")
     if input_ids.dim() == 2 and input_ids.shape[0] > 1:
-        raise ValueError(f"tree decoding (tree={spec}) takes one prompt at a time, got a batch of "
+        raise ValueError(f"tree decoding (tree={proposal.tree}) takes one prompt at a time, got a batch of "
                          f"{input_ids.shape[0]}: loop over the prompts, or decode the batch with a chain "
                          f"(num_draft_tokens=k, no tree)")
     if attention_mask is not None and input_ids.dim() == 2 and attention_mask.shape == input_ids.shape:
@@ -326,138 +308,76 @@ def _tree_inputs(target, draft, input_ids, attention_mask, spec: TreeSpec):
     return input_ids, attention_mask
 
 
-def _begin(target, drafter, batch, sampling, generator, stats, clock):
-    """The target's prefill and first token, then the drafter's start: (cache kwarg, target cache, live tokens
-    so far (tau counts tokens from rounds only), target vocabulary, the drafter's failure or None)."""
-    kwarg = cache_kwarg(target)
-    t_cache, logits = prefill(target, batch, kwarg)
-    stats.target_forwards += 1
-    clock.mark(batch.append(next_token(logits, sampling, generator)[:, None]))
-    first_tokens, vocab = batch.live_appended.clone(), target.get_output_embeddings().out_features
-    try:
-        drafter.start(batch)
-    except Exception as err:  # noqa: BLE001 - any draft failure means target-only for the rest
-        return kwarg, t_cache, first_tokens, vocab, err
-    return kwarg, t_cache, first_tokens, vocab, None
-
-
-def _speculate(target, drafter, batch, k, sampling, generator, stats, clock, trace) -> GenerateOutput:
-    rounds = []
-    kwarg, t_cache, first_tokens, vocab, err = _begin(target, drafter, batch, sampling, generator, stats, clock)
-    if err is not None:
-        return _fall_back(err, target, t_cache, batch, sampling, generator, stats, clock, kwarg, rounds)
-
+def _speculate(state: _Decoding, drafter, proposal: Proposal, propose, verify) -> GenerateOutput:
+    """The rounds until done: `propose` (the draft's chain or tree; any failure there means target-only for the
+    rest), then `verify` (one target forward, the accepted tokens appended, both caches cut back, counted)."""
+    batch, vocab = state.batch, state.target.get_output_embeddings().out_features
     while not batch.done():
-        length = batch.length
-        k_round = max(1, min(k, batch.max_length - length - 1))  # no proposals past max_new_tokens
-        active = ~batch.finished
+        depth = max(1, min(proposal.depth, batch.max_length - batch.length - 1))  # no proposals past max_new_tokens
         try:
-            # 1. the draft proposes k tokens.
-            drafted, q = drafter.propose(batch, k_round, generator, stats)  # [B, k], [B, k, V] | None
-            if int(drafted.min()) < 0 or int(drafted.max()) >= vocab:
+            proposed, lowest, highest = propose(state, drafter, proposal, depth)
+            if lowest < 0 or highest >= vocab:
                 raise RuntimeError("draft proposed token ids outside the target's vocabulary")
         except Exception as err:  # noqa: BLE001
-            stats.emitted = int(batch.live_appended - first_tokens)
-            return _fall_back(err, target, t_cache, batch, sampling, generator, stats, clock, kwarg, rounds)
-
-        # 2. the target scores [last token, d_1..d_k] in one forward.
-        p_logits = forward_cached(target, t_cache, batch, length + k_round, 0, kwarg)  # [B, k+1, V]
-        stats.target_forwards += 1
-        drafter.observe(length - 1)
-        # 3. verification.
-        if sampling.greedy:
-            verdict = greedy_verify(drafted, p_logits)
-        else:
-            verdict = rejection_verify(drafted, q, probabilities(p_logits, sampling), generator)
-        # 4. advance every row by T + 1, each row's token at T + 1 being its own outcome there (rule 5).
-        n_host, active_host = torch.stack([verdict.num_accepted, active.long()]).tolist()  # the round's one sync
-        n_active = [n for n, a in zip(n_host, active_host) if a]
-        t_min = min(n_active)
-        own = verdict.next_token
-        if t_min < k_round:
-            own = torch.where(verdict.num_accepted > t_min, drafted[:, t_min], verdict.next_token)
-        new = torch.cat([drafted[:, :t_min], own[:, None]], dim=1)  # [B, T+1]
-        appended = batch.append(new)
-        clock.mark(appended)
-        # 5. roll both caches back to the kept prefix; the draft reads what it has not seen next round.
-        rollback(t_cache, batch.length - 1)
-        drafter.rollback(batch)
-        _count_round(stats, n_active, k_round)
-        if trace:
-            rounds.append(RoundTrace(drafted, verdict.num_accepted, verdict.next_token, appended))
-
-    stats.emitted = int(batch.live_appended - first_tokens)
-    return GenerateOutput(batch.sequences(), stats, batch.prompt_length, rounds, clock.marks)
+            return state.fall_back(err)
+        verify(state, drafter, proposed, depth)
+    return state.finish()
 
 
-def _speculate_tree(target, drafter, batch, spec, sampling, generator, stats, clock, trace) -> GenerateOutput:
-    """Tree rounds (batch 1): grow the tree, verify it in one target forward, keep the accepted path's KV."""
-    rounds, device = [], batch.seq.device
-    kwarg, t_cache, first_tokens, vocab, err = _begin(target, drafter, batch, sampling, generator, stats, clock)
-    if err is not None:
-        return _fall_back(err, target, t_cache, batch, sampling, generator, stats, clock, kwarg, rounds)
-
-    while not batch.done():
-        length = batch.length
-        depth = max(1, min(spec.max_depth, batch.max_length - length - 1))  # no proposals past max_new_tokens
-        try:
-            tree = grow(drafter, batch, spec, depth, stats)
-            if min(tree.tokens) < 0 or max(tree.tokens) >= vocab:
-                raise RuntimeError("draft proposed token ids outside the target's vocabulary")
-        except Exception as err:  # noqa: BLE001
-            stats.emitted = int(batch.live_appended - first_tokens)
-            return _fall_back(err, target, t_cache, batch, sampling, generator, stats, clock, kwarg, rounds)
-        ids, positions, allowed = verification_inputs(tree, int(batch.seq[0, length - 1]),
-                                                      length - 1 - int(batch.left_pad[0]), length - 1, device)
-        p_logits = forward_masked(target, t_cache, ids, positions, allowed, kwarg)[0]  # [1+N, V]
-        stats.target_forwards += 1
-        if sampling.greedy:
-            path, token = greedy_walk(tree, p_logits)
-        else:
-            path, token = sampled_walk(tree, probabilities(p_logits, sampling), generator)
-        drafter.observe(length - 1, keep=[0, *(1 + i for i in path)])
-        keep_path(t_cache, length, [length + i for i in path])
-        appended = batch.append(torch.tensor([[*(tree.tokens[i] for i in path), token]], device=device))
-        clock.mark(appended)
-        rollback(t_cache, batch.length - 1)  # a cut at max_new_tokens may have appended less than the path
-        drafter.tree_rollback()
-        _count_round(stats, [len(path)], depth, nodes=len(tree))
-        if trace:
-            rounds.append(TreeTrace(tree, path, token, appended))
-
-    stats.emitted = int(batch.live_appended - first_tokens)
-    return GenerateOutput(batch.sequences(), stats, batch.prompt_length, rounds, clock.marks)
+def _propose_chain(state: _Decoding, drafter, proposal: Proposal, k: int):
+    """1. the draft proposes k tokens: ((drafted [B, k], q [B, k, V] | None), lowest id, highest id)."""
+    drafted, q = drafter.propose(state.batch, k, state.generator, state.stats)
+    return (drafted, q), int(drafted.min()), int(drafted.max())
 
 
-def _count_round(stats: DecodeStats, n_active: list[int], k: int, nodes: int | None = None) -> None:
-    """A round's counts; a tree round counts its depth as k (acceptance = accepted / depth) and its `nodes`."""
-    stats.rounds += 1
-    stats.row_rounds += len(n_active)
-    stats.proposed += k * len(n_active)
-    stats.tree_nodes += k * len(n_active) if nodes is None else nodes
-    stats.accepted += sum(n_active)
-    for n in n_active:
-        stats.bonus += n == k
-        stats.corrections += n < k
-        for i in range(min(n + 1, k)):
-            stats.position_tried[i] += 1
-            stats.position_accepted[i] += i < n
+def _verify_chain(state: _Decoding, drafter, proposed, k: int) -> None:
+    """2.-5. of the module docstring, for a batch of chains."""
+    (drafted, q), batch, sampling = proposed, state.batch, state.options.sampling
+    length, active = batch.length, ~batch.finished
+    # 2. the target scores [last token, d_1..d_k] in one forward.
+    p_logits = forward_cached(state.target, state.cache, batch, length + k, 0, state.kwarg)  # [B, k+1, V]
+    state.stats.target_forwards += 1
+    drafter.observe(length - 1)
+    # 3. verification.
+    if sampling.greedy:
+        verdict = greedy_verify(drafted, p_logits)
+    else:
+        verdict = rejection_verify(drafted, q, probabilities(p_logits, sampling), state.generator)
+    # 4. advance every row by T + 1, each row's token at T + 1 being its own outcome there (rule 5).
+    n_host, active_host = torch.stack([verdict.num_accepted, active.long()]).tolist()  # the round's one sync
+    n_active = [n for n, a in zip(n_host, active_host) if a]
+    t_min = min(n_active)
+    own = verdict.next_token
+    if t_min < k:
+        own = torch.where(verdict.num_accepted > t_min, drafted[:, t_min], verdict.next_token)
+    appended = batch.append(torch.cat([drafted[:, :t_min], own[:, None]], dim=1))  # [B, T+1]
+    # 5. roll both caches back to the kept prefix; the draft reads what it has not seen next round.
+    state.keep(appended, RoundTrace(drafted, verdict.num_accepted, verdict.next_token, appended))
+    drafter.rollback(batch)
+    state.stats.observe_round(n_active, k)
 
 
-def _fall_back(err, target, t_cache, batch, sampling, generator, stats, clock, kwarg, rounds) -> GenerateOutput:
-    """Finish the request target-only after a draft failure (functional fallback, rule 7)."""
-    log.warning("draft failed (%s: %s); finishing this request with the target alone", type(err).__name__, err)
-    stats.fallback, stats.fallback_reason = True, f"{type(err).__name__}: {err}"
-    rollback(t_cache, batch.length - 1)
-    batch.seq[:, batch.length :] = batch.pad_token_id  # clear any proposals written past the end
-    _target_steps(target, t_cache, batch, sampling, generator, stats, clock, kwarg)
-    return GenerateOutput(batch.sequences(), stats, batch.prompt_length, rounds, clock.marks)
+def _propose_tree(state: _Decoding, drafter, proposal: Proposal, depth: int):
+    """The round's tree (batch 1), at most `depth` deep: (tree, lowest id, highest id)."""
+    tree = grow(drafter, state.batch, proposal.tree, depth, state.stats)
+    return tree, min(tree.tokens), max(tree.tokens)
 
 
-def _target_only_after(err, target, batch, sampling, generator, stats, clock) -> GenerateOutput:
-    """The draft could not even be set up: the whole request target-only (rule 7)."""
-    kwarg = cache_kwarg(target)
-    t_cache, logits = prefill(target, batch, kwarg)
-    stats.target_forwards += 1
-    clock.mark(batch.append(next_token(logits, sampling, generator)[:, None]))
-    return _fall_back(err, target, t_cache, batch, sampling, generator, stats, clock, kwarg, [])
+def _verify_tree(state: _Decoding, drafter, tree, depth: int) -> None:
+    """Verify the tree in one target forward with its tree mask, walk it, keep the accepted path's KV."""
+    batch, sampling, device = state.batch, state.options.sampling, state.batch.seq.device
+    length = batch.length
+    ids, positions, allowed = verification_inputs(tree, int(batch.seq[0, length - 1]),
+                                                  length - 1 - int(batch.left_pad[0]), length - 1, device)
+    p_logits = forward_masked(state.target, state.cache, ids, positions, allowed, state.kwarg)[0]  # [1+N, V]
+    state.stats.target_forwards += 1
+    if sampling.greedy:
+        path, token = greedy_walk(tree, p_logits)
+    else:
+        path, token = sampled_walk(tree, probabilities(p_logits, sampling), state.generator)
+    drafter.observe(length - 1, keep=[0, *(1 + i for i in path)])
+    keep_path(state.cache, length, [length + i for i in path])
+    appended = batch.append(torch.tensor([[*(tree.tokens[i] for i in path), token]], device=device))
+    state.keep(appended, TreeTrace(tree, path, token, appended))
+    drafter.tree_rollback()
+    state.stats.observe_round([len(path)], depth, nodes=len(tree))

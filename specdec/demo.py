@@ -76,7 +76,7 @@ def _stage(name: str, index: int, total: int = 4) -> float:
 
 def run(cfg: DemoConfig) -> dict:
     """Run the four stages and return the evaluation report."""
-    from specdec.eval.runner import EvalConfig
+    from specdec.eval.config import EvalConfig
     from specdec.eval.runner import run as run_eval
     from specdec.train.checkpoints import latest_checkpoint
     from specdec.train.data import DataConfig, read_manifest
@@ -203,7 +203,7 @@ def _print_summary(report: dict, eval_dir: Path, draft_dir: Path, timings: dict[
         "=== specdec demo: summary ===",
         f"target            {config.get('target')}",
         f"draft             {draft_dir}",
-        (f"tree              {config['tree']} (depth {config.get('num_draft_tokens')})" if config.get("tree")
+        (f"tree              {config['tree']} (depth {config.get('tree_depth')})" if config.get("tree")
          else f"k                 {config.get('num_draft_tokens')}"),
         *_choice_lines(report),
         f"acceptance rate   {spec.get('acceptance_rate', float('nan')):.3f}",

@@ -192,3 +192,35 @@ def test_bad_input_raises_value_error_with_a_fix(target, draft, kwargs, message)
 def test_mismatched_dtypes_are_refused(target):
     with pytest.raises(ValueError, match="dtype"):
         speculative_generate(target, tiny_llama(seed=1, dtype=torch.float32), torch.tensor([[4, 5]]))
+
+
+def test_stats_observe_rounds_and_merge_weighted():
+    """DecodeStats counts a round once (observe_round) and merges calls with weights; the rates follow."""
+    from specdec.outputs import DecodeStats
+    from specdec.proposal import Proposal
+
+    a, b = DecodeStats.for_proposal(Proposal.chain(3)), DecodeStats.for_proposal(Proposal.chain(3))
+    a.observe_round([3, 1], 3)  # one row all accepted (bonus), one rejected at position 2 (correction)
+    b.observe_round([0], 3)
+    a.emitted, b.emitted = 4 + 2, 1
+    assert (a.bonus, a.corrections, a.position_tried, a.position_accepted) == (1, 1, [2, 2, 1], [2, 1, 1])
+    both = DecodeStats.merged([a, b])
+    assert both.acceptance_rate == pytest.approx(4 / 9) and both.mean_accepted_tokens == pytest.approx(7 / 3)
+    assert both.per_position_acceptance == pytest.approx([2 / 3, 1 / 2, 1.0])
+    half = DecodeStats.merged([a, b], [0.5, 1.0])
+    assert half.proposed == pytest.approx(6.0) and half.acceptance_rate == pytest.approx(2 / 6)
+    assert not both.fallback and both.nodes_per_round == pytest.approx(9 / 2)
+
+
+def test_a_proposal_is_a_chain_or_a_tree_parsed_once():
+    from specdec.proposal import Proposal
+
+    chain, tree, one = Proposal.of(2), Proposal.of("3x1x1"), Proposal.of("2")
+    assert (chain.label, chain.depth, chain.verified_nodes, chain.value) == ("k=2", 2, 2, 2)
+    assert (tree.label, tree.depth, tree.verified_nodes, tree.value) == ("tree=3x1x1", 3, 9, "3x1x1")
+    assert one.is_tree and one.label == "tree=2" and one != chain
+    assert Proposal.of("1x1x1") == Proposal.chain(3) and Proposal.of(tree) is tree
+    with pytest.raises(ValueError, match="num_draft_tokens must be >= 1"):
+        Proposal.of(0)
+    with pytest.raises(ValueError, match="dynamic tree"):
+        Proposal.of("dyn8").widths()

@@ -286,7 +286,7 @@ def test_engine_bad_settings_exit_2_with_the_fix(pair, tmp_path, capsys, args, m
 
 
 def test_ngram_alone_needs_no_draft():
-    from specdec.eval.runner import EvalConfig
+    from specdec.eval.config import EvalConfig
 
     cfg = EvalConfig(engine=["vllm"], vllm_method="ngram", out="x")
     assert vllm.engine_methods(cfg) == ["ngram"]

@@ -10,6 +10,7 @@ from conftest import tiny_llama, tiny_tokenizer
 
 from specdec.cli import main
 from specdec.eval import proposals
+from specdec.proposal import Proposal
 
 BASELINE_KEYS = {"tokens_per_s", "latency_s", "ttft_s", "itl_s", "peak_memory_mb"}
 SPEC_KEYS = BASELINE_KEYS | {"acceptance_rate", "mean_accepted_tokens", "per_position_acceptance", "rounds",
@@ -220,7 +221,7 @@ def test_eval_catches_a_decoder_that_is_not_exact(tiny_checkpoints, tmp_path, mo
 @pytest.mark.parametrize("recipe", sorted((Path(__file__).parents[1] / "recipes").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_recipe_eval_section_builds_a_config(recipe):
     from specdec.config import load_config
-    from specdec.eval.runner import EvalConfig
+    from specdec.eval.config import EvalConfig
 
     cfg = load_config(EvalConfig, recipe, [], section="eval")
     assert cfg.draft and cfg.num_draft_tokens and cfg.out_dir().name == "eval"
@@ -230,7 +231,7 @@ def _check_choice(ck: dict) -> None:
     """choose_k's choice: the fastest predicted among the candidates that fail no gate (the fastest overall when
     none passes), with the fastest overall and each candidate's failed gates beside it."""
     label = proposals.label
-    speed = {p: (ck["predicted_speedup"][label(p)], -proposals.verified_nodes(p)) for p in ck["candidates"]}
+    speed = {p: (ck["predicted_speedup"][label(p)], -Proposal.of(p).verified_nodes) for p in ck["candidates"]}
     passing = [p for p in ck["candidates"] if not ck["failed_gates"][label(p)]]
     assert ck["fastest"] == max(ck["candidates"], key=speed.get)
     assert ck["chosen"] == (max(passing, key=speed.get) if passing else ck["fastest"])
@@ -267,8 +268,10 @@ def test_trees_join_the_sweep_at_batch_one_and_stay_exact(tiny_checkpoints, tmp_
                          ("tree=dyn4-d2-w2", 1)}
     assert all(r["equivalence_passed"] for r in report["sweep"])
     tree = rows[("tree=3x1x1", 1)]
-    assert tree["tree"] == "3x1x1" and tree["num_draft_tokens"] == 3 and len(tree["per_position_acceptance"]) == 3
-    assert tree["v"] > 0 and rows[("tree=dyn4-d2-w2", 1)]["num_draft_tokens"] == 2
+    # a tree's depth under its own key; num_draft_tokens is a chain's length only
+    assert tree["tree"] == "3x1x1" and tree["tree_depth"] == 3 and tree["num_draft_tokens"] is None
+    assert len(tree["per_position_acceptance"]) == 3 and rows[("k=3", 1)]["tree_depth"] is None
+    assert tree["v"] > 0 and rows[("tree=dyn4-d2-w2", 1)]["tree_depth"] == 2
     assert report["config"]["sweep_tree"] == ["3x1x1", "dyn4-d2-w2"]
     md = (tmp_path / "report.md").read_text()
     assert "| tree=3x1x1 | 1 |" in md or "| tree=3x1x1 **(recommended)** | 1 |" in md
@@ -298,7 +301,7 @@ def test_choose_k_weighs_static_trees_by_their_replayed_tau(tiny_checkpoints, tm
 def test_choose_k_takes_the_fastest_proposal_that_passes_the_thresholds(tiny_checkpoints, tmp_path, monkeypatch):
     """Forced figures: k = 3 is predicted fastest but accepts under min_acceptance_rate; k = 2, slower, passes and
     is measured; the report names both and what each candidate fails."""
-    from specdec.eval import runner
+    from specdec.eval import choose
 
     tau = {1: 1.9, 2: 2.2, 3: 2.4}  # acceptance rates (tau - 1) / k: 0.9, 0.6, 0.467
 
@@ -306,8 +309,8 @@ def test_choose_k_takes_the_fastest_proposal_that_passes_the_thresholds(tiny_che
         return {"target_step_ms": 1.0, "draft_step_ms": 0.0, "c": 0.0, "verify_ms": {str(k): 1.0 for k in ks},
                 "v": {str(k): 1.0 for k in ks}}
 
-    monkeypatch.setattr(runner, "measure_costs", costs)
-    monkeypatch.setattr(proposals, "replayed_tau", lambda ranks, p: tau[p])
+    monkeypatch.setattr(choose, "measure_costs", costs)
+    monkeypatch.setattr(proposals, "replayed_tau", lambda ranks, p: tau[p.k])
     assert _eval(tiny_checkpoints, tmp_path, "choose_k=1,2,3", "choose_k_prompts=2", "num_prompts=2", "warmup=0",
                  "min_acceptance_rate=0.5", "min_speedup=1.1", "max_memory_overhead=1000") == 0
     report = json.loads((tmp_path / "report.json").read_text())

@@ -10,7 +10,7 @@ import torch
 from conftest import tiny_llama
 
 from specdec.eval import decision, equivalence, metrics
-from specdec.eval.runner import measure_costs
+from specdec.eval.timing import measure_costs
 from specdec.eval.verify import chi2_sf, goodness_of_fit, homogeneity, pool_cells, tv_tolerance
 
 
@@ -139,7 +139,7 @@ def test_the_choice_is_the_fastest_candidate_that_passes_every_threshold():
 
 
 def test_the_sweep_recommends_the_fastest_row_whose_verdict_is_enable():
-    from specdec.eval.runner import _recommend
+    from specdec.eval.rows import recommend as _recommend
 
     def row(k, batch, speedup, failed):
         return {"num_draft_tokens": k, "batch_size": batch, "speedup": speedup, "decision": {"failed_gates": failed}}

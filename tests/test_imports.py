@@ -117,7 +117,7 @@ def _old_module_runs(path: Path) -> list[str]:
 
 def test_commands_run_the_installed_names():
     runs = {str(p.relative_to(ROOT)): found for folder in (*FOLDERS.values(), *USERS)
-            for p in _python_files(folder) if (found := _old_module_runs(p))}
+            for p in sorted((ROOT / folder).rglob("*.py")) if (found := _old_module_runs(p))}
     assert not runs, f"`-m train` / `-m eval` run the checkout's folders only; use -m specdec.train: {runs}"
     from specdec.cli import COMMANDS
 

@@ -9,11 +9,11 @@ from transformers import DynamicCache
 
 import specdec.tree
 from specdec import SamplingConfig, replay, speculative_generate, target_generate
-from specdec.decode import DecodeStats, TreeTrace
 from specdec.draft_registry import make_drafter
 from specdec.eagle3 import Eagle3Draft
 from specdec.eval import verify as verify_cmd
 from specdec.kv import Batch, cache_kwarg, forward_masked, keep_path, prefill
+from specdec.outputs import DecodeStats, TreeTrace
 from specdec.ranks import RANK_CAP, true_token_ranks
 from specdec.tree import Tree, TreeSpec, emitted_distribution, sampled_walk, without
 from specdec.vocab import apply_reduced_head

@@ -79,7 +79,7 @@ def _side_by_side(r: dict) -> list[str]:
     s, b = r["speculative"], r["baseline"]
     pos = ", ".join(f"{a:.2f}" for a in s["per_position_acceptance"])
     epos = ", ".join(f"{a:.2f}" for a in row["per_position_acceptance"] or [])
-    return ["", f"### specdec's decoder beside {e['label']} (k = {r['config']['num_draft_tokens']})", "",
+    return ["", f"### specdec's decoder beside {e['label']} ({_proposal(r['config'])})", "",
             f"| metric | specdec decoder (batch {r['config']['batch_size']}) | {e['label']} {e['primary_method']} "
             f"(concurrency {c}) |", "|---|---:|---:|",
             f"| speedup | {_x(r['speedup'])} | {_x(row['speedup'])} |",
@@ -134,3 +134,8 @@ def to_markdown(r: dict) -> str:
     lines += markdown_lines(r)
     lines += ["", "## Environment", "", ", ".join(f"{k} {v}" for k, v in r["environment"].items())]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _proposal(config: dict) -> str:
+    """The decoder's chosen proposal in words: a chain's k, or a tree's shape."""
+    return f"tree {config['tree']}" if config.get("tree") else f"k = {config['num_draft_tokens']}"

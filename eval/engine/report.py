@@ -66,7 +66,9 @@ def run(engine, cfg, specdec_run=None) -> dict:
     out_dir = cfg.out_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     result = specdec_run(cfg) if specdec_run is not None else None
-    k = result["config"]["num_draft_tokens"] if result is not None else cfg.num_draft_tokens[0]
+    # a tree recommended by specdec: vLLM measures the chain of its depth
+    k = (result["config"]["num_draft_tokens"] or result["config"]["tree_depth"]) if result is not None else (
+        cfg.num_draft_tokens[0])
     prompts, encoded = _workload(cfg)
     sweep, probe = _sweep(engine, cfg, plan, k, encoded, out_dir)
     fatal = sweep.pop("fatal", None)
