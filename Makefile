@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup vllm-env demo demo-quick test test-fast lint bench clean
+.PHONY: setup vllm-env demo demo-quick wheel-demo test test-fast lint bench clean
 
 $(BIN)/specdec: pyproject.toml
 	bash scripts/setup.sh $(VENV)
@@ -24,6 +24,11 @@ demo: setup
 
 demo-quick: setup
 	$(BIN)/specdec demo --quick
+
+# The quick demo as `pip install` gives it: the built wheel in a fresh venv (scripts/wheel_venv.py), run from a
+# temporary folder that holds no checkout (its outputs land there).
+wheel-demo: setup
+	dir=$$(mktemp -d) && specdec=$$($(BIN)/python scripts/wheel_venv.py $$dir) && cd $$dir && echo "specdec demo --quick in $$dir" && $$specdec demo --quick
 
 # The engine tests start real vLLM servers: the test run builds vLLM's venv first (once).
 test: setup vllm-env

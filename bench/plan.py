@@ -1,4 +1,4 @@
-"""Memory and disk plans of the 8B EAGLE-3 recipes (train/plan.py) for a machine of 8 x 80 GB GPUs, from the
+"""Memory and disk plans of the 8B EAGLE-3 recipes (train/plan/) for a machine of 8 x 80 GB GPUs, from the
 targets' published configs: no download, no weights, no GPU needed.
 
     python bench/plan.py                                   # 8 x 80 GiB; writes docs/results/<date>-plan-8b.md
@@ -59,7 +59,7 @@ def main() -> None:
         rows.append(f"| {recipe} | {p.total / plan.GiB:.1f} | {p.peak_phase} | {p.largest.name} "
                     f"({p.largest.bytes / plan.GiB:.1f}) | {phases} | {'yes' if p.fits() else 'no'} |")
     body = "\n".join([
-        f"Plans of the 8B EAGLE-3 recipes for {args.devices} devices of {args.device_gb:g} GiB (`train/plan.py`, the "
+        f"Plans of the 8B EAGLE-3 recipes for {args.devices} devices of {args.device_gb:g} GiB (`train/plan/`, the "
         "plan `specdec train --plan` prints and every run checks), from the targets' published configs. Upper "
         "bounds where the data decides: every row max_length long, every position scored. GiB per device. The "
         "activation formulas are those tests/test_plan.py checks against measured peaks of real training steps on a "

@@ -7,7 +7,8 @@
     specdec publish  HF-format draft + model card (+ push to the Hub when asked)
     specdec demo     the embedded default end to end
 
-Every subcommand takes `--config recipes/X.yaml`, `key=value` overrides and `--key value` flags.
+Every subcommand takes `--config recipes/X.yaml` (or a shipped recipe's name), `key=value` overrides and
+`--key value` flags.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import logging
 import os
 import sys
 import traceback
+
+from specdec.config import shipped_recipes
 
 # subcommand -> (module, function, one-line help). Modules are imported lazily: `specdec` must not import
 # `train` or `eval` at module level (docs/design.md).
@@ -33,7 +36,9 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 def _usage() -> str:
     lines = ["usage: specdec <command> [--config recipes/X.yaml] [key=value ...] [--key value ...]", "", "commands:"]
     lines += [f"  {name:<8} {help_}" for name, (_, _, help_) in COMMANDS.items()]
-    lines += ["", "Run `specdec <command> --help` for a command's options; SPECDEC_DEBUG=1 shows tracebacks."]
+    lines += ["", f"--config takes a path or a shipped recipe's name ({shipped_recipes()}):",
+              "  " + ", ".join(sorted(p.stem for p in shipped_recipes().glob("*.yaml"))),
+              "", "Run `specdec <command> --help` for a command's options; SPECDEC_DEBUG=1 shows tracebacks."]
     return "\n".join(lines)
 
 
@@ -49,13 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     module_name, func_name, _ = COMMANDS[name]
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as err:
-        if err.name and module_name.startswith(err.name):
-            print(f"specdec {name}: this command is not built yet ({module_name} is missing)", file=sys.stderr)
-            return 2
-        raise
+    module = importlib.import_module(module_name)
     try:
         return int(getattr(module, func_name)(rest) or 0)
     except ValueError as err:

@@ -6,11 +6,15 @@ takes the shared keys it declares, then its own section; unknown keys are an err
 
 Command lines accept three spellings of the same override:
     specdec eval --config recipes/x.yaml num_draft_tokens=4 --max-new-tokens 64 --greedy
+
+`--config` takes a path, or a shipped recipe's name (`smollm2-135m`, `smollm2-135m.yaml`, or `recipes/NAME.yaml`
+where no such file is here): the recipes ship inside the package, so an installed specdec runs them from any folder.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import types
 import typing
 from pathlib import Path
@@ -110,13 +114,30 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node[leaf] = value
 
 
+def shipped_recipes() -> Path:
+    """The folder of the shipped recipes: the checkout's recipes/, installed as package data `specdec.recipes`."""
+    return Path(str(importlib.resources.files("specdec.recipes")))
+
+
+def recipe_file(name: str | Path) -> Path:
+    """A recipe's file: `name` itself when it is a file, else the shipped recipe it names (a bare name, with or
+    without .yaml, or `recipes/NAME.yaml`: the README's commands then work outside a checkout too)."""
+    path = Path(name)
+    if path.is_file():
+        return path
+    if path.parent in (Path("."), Path("recipes")):
+        shipped = shipped_recipes() / (path.name if path.suffix else f"{path.name}.yaml")
+        if shipped.is_file():
+            return shipped
+    names = ", ".join(sorted(p.stem for p in shipped_recipes().glob("*.yaml")))
+    raise ValueError(f"config file {name} does not exist; pass --config PATH or a shipped recipe's name: {names}")
+
+
 def read_recipe(path: str | Path | None) -> dict[str, Any]:
-    """Read a recipe YAML into a dict (an empty dict for no path)."""
+    """Read a recipe YAML (a path or a shipped recipe's name, `recipe_file`) into a dict (empty for no path)."""
     if path is None:
         return {}
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"config file {path} does not exist; pass --config recipes/<name>.yaml (see recipes/)")
+    path = recipe_file(path)
     raw = yaml.safe_load(path.read_text()) or {}
     if not isinstance(raw, dict):
         raise ValueError(f"config file {path} must hold a YAML mapping at its top level")

@@ -1,8 +1,12 @@
 """`specdec demo`: the embedded default end to end, on a CPU, with no download.
 
-    specdec demo            # recipes/smollm2-135m-eagle3.yaml  (full: tens of minutes on 2 cores)
-    specdec demo --quick    # recipes/smollm2-135m-quick.yaml    (a few minutes: proves the pipeline)
-    specdec demo recipe=recipes/smollm2-135m.yaml   # a plain draft, loadable by transformers / vLLM / SGLang
+    specdec demo            # the shipped recipe smollm2-135m-eagle3  (full: tens of minutes on 2 cores)
+    specdec demo --quick    # the shipped recipe smollm2-135m-quick   (a few minutes: proves the pipeline)
+    specdec demo recipe=smollm2-135m     # a plain draft, loadable by transformers / vLLM / SGLang
+    specdec demo --quick --plan          # print the recipe, the assets each stage reads and its folders; run nothing
+
+`recipe` is a path (recipes/smollm2-135m.yaml in a checkout) or a shipped recipe's name: the recipes ship inside
+the package (recipes/ installed as `specdec.recipes`), so an installed specdec runs the demo from any folder.
 
 The full demo's draft is an EAGLE-3 draft (one layer reading three of the target's hidden states), which vLLM
 and SGLang serve unchanged; on a CPU a one-layer draft is also what speculation can afford (docs/results/).
@@ -27,14 +31,17 @@ import json
 import logging
 import math
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from specdec.config import config_from_cli, load_config
+from specdec.config import config_from_cli, help_text, load_config, recipe_file, shipped_recipes
 
 log = logging.getLogger(__name__)
 
-RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+FULL_RECIPE, QUICK_RECIPE = "smollm2-135m-eagle3.yaml", "smollm2-135m-quick.yaml"  # shipped recipes
 
 
 @dataclass
@@ -42,7 +49,7 @@ class DemoConfig:
     """Options of `specdec demo` (section `demo:` of the recipe it runs)."""
 
     quick: bool = False
-    recipe: str = ""  # default: recipes/smollm2-135m-eagle3.yaml, or smollm2-135m-quick.yaml with --quick
+    recipe: str = ""  # a path or a shipped recipe's name; default: smollm2-135m-eagle3, or smollm2-135m-quick with --quick
     output_dir: str = ""  # default: outputs/demo, or outputs/demo-quick with --quick
     eval_prompts: str = "embedded:heldout"
     eval_num_prompts: int | None = None  # default: 8 with --quick, else 24
@@ -51,6 +58,7 @@ class DemoConfig:
     # Data generation starts no shard that would end past this share of the budget. Data is the scarcer: an
     # EAGLE-3 draft on recorded states trains faster than the target decodes its data.
     data_share: float = 0.6
+    plan: bool = False  # print the recipe, the assets each stage reads and where it writes; run nothing
 
     def __post_init__(self) -> None:
         if self.minutes < 0 or not 0.0 < self.data_share <= 1.0:
@@ -65,91 +73,145 @@ class DemoConfig:
 
     def recipe_path(self) -> Path:
         if self.recipe:
-            return Path(self.recipe)
-        return RECIPES / ("smollm2-135m-quick.yaml" if self.quick else "smollm2-135m-eagle3.yaml")
+            return recipe_file(self.recipe)
+        return shipped_recipes() / (QUICK_RECIPE if self.quick else FULL_RECIPE)
 
 
-def _stage(name: str, index: int, total: int = 4) -> float:
-    print(f"\n=== [{index}/{total}] {name} ===", flush=True)
-    return time.perf_counter()
+@dataclass
+class Stages:
+    """The four stages' configs: the recipe's sections with the demo's folders and budget. Evaluation and
+    publication name the final draft; `run` swaps in the best checkpoint once training has written it."""
+
+    recipe: Path
+    data: Any  # DataConfig
+    train: Any  # TrainConfig
+    eval: Any  # EvalConfig
+    publish: Any  # PublishConfig
 
 
-def run(cfg: DemoConfig) -> dict:
-    """Run the four stages and return the evaluation report."""
+def stage_configs(cfg: DemoConfig) -> Stages:
+    """Each stage's config from the recipe (a missing recipe or an invalid key fails here, before any work)."""
     from specdec.eval.config import EvalConfig
-    from specdec.eval.runner import run as run_eval
     from specdec.train.checkpoints import latest_checkpoint
-    from specdec.train.data import DataConfig, read_manifest
-    from specdec.train.data import run as run_data
+    from specdec.train.data import DataConfig
     from specdec.train.distill import TrainConfig
-    from specdec.train.distill import run as run_train
-    from specdec.train.publish import PublishConfig, publish
+    from specdec.train.publish import PublishConfig
 
-    recipe = cfg.recipe_path()
-    if not recipe.is_file():
-        raise ValueError(f"demo recipe {recipe} not found; run the demo from a checkout of specdec (make demo)")
-    out = cfg.out_dir()
+    recipe, out = cfg.recipe_path(), cfg.out_dir()
     data_dir, train_dir, eval_dir, draft_dir = out / "data", out / "train", out / "eval", out / "draft"
-    timings: dict[str, float] = {}
-    demo_start, budget = time.perf_counter(), cfg.budget_minutes()
-
-    start = _stage("target-generated data", 1)
-    data_cfg = load_config(DataConfig, recipe, [f"output_dir={data_dir}", f"overwrite={cfg.fresh}"], section="data")
-    data_cfg.max_minutes = min(data_cfg.max_minutes or math.inf, cfg.data_share * budget)
-    manifest = read_manifest(data_dir) if (data_dir / "manifest.json").is_file() else {}
-    if manifest.get("complete") and not cfg.fresh:
-        print(f"data already complete in {data_dir}")
-    else:
-        manifest = run_data(data_cfg)
-        if not manifest["complete"]:
-            print(f"data: its {data_cfg.max_minutes:.1f} min of the budget gave {len(manifest['shards'])} of "
-                  f"{manifest['num_shards']} shards ({manifest['counts']['examples']} examples); training uses "
-                  "those (run the demo again to generate the rest)")
-    timings["data_s"] = time.perf_counter() - start
-
-    start = _stage("distil the draft", 2)
+    data = load_config(DataConfig, recipe, [f"output_dir={data_dir}", f"overwrite={cfg.fresh}"], section="data")
+    data.max_minutes = min(data.max_minutes or math.inf, cfg.data_share * cfg.budget_minutes())
     # The trainer picks its best checkpoint on a slice of the training prompts split off by prompt id, so the
-    # held-out prompts used by the evaluation below are seen by neither training nor checkpoint selection.
+    # held-out prompts used by the evaluation are seen by neither training nor checkpoint selection.
     resume = "latest" if latest_checkpoint(train_dir / "checkpoints") and not cfg.fresh else ""
-    train_cfg = load_config(
-        TrainConfig, recipe, [f"output_dir={train_dir}", f"train_data={data_dir}", f"resume_from={resume}"],
-        section="train",
-    )
+    train = load_config(TrainConfig, recipe,
+                        [f"output_dir={train_dir}", f"train_data={data_dir}", f"resume_from={resume}"], section="train")
     final = train_dir / "final"
-    eval_cfg = load_config(
+    evaluation = load_config(
         EvalConfig, recipe,
         [f"draft={final}", f"out={eval_dir}", f"prompts={cfg.eval_prompts}",
          f"num_prompts={cfg.eval_num_prompts or (8 if cfg.quick else 24)}"],
         section="eval",
     )
+    publish = load_config(
+        PublishConfig, recipe,
+        [f"draft={final}", f"out={draft_dir}", f"report={eval_dir / 'report.json'}", f"recipe={recipe}",
+         "overwrite=true"],
+        section="publish",
+    )
+    return Stages(recipe, data, train, evaluation, publish)
+
+
+@contextmanager
+def _stage(name: str, index: int, timings: dict[str, float], key: str) -> Iterator[None]:
+    print(f"\n=== [{index}/4] {name} ===", flush=True)
+    start = time.perf_counter()
+    yield
+    timings[key] = time.perf_counter() - start
+
+
+def run(cfg: DemoConfig) -> dict:
+    """Run the four stages and return the evaluation report."""
+    from specdec.eval.runner import run as run_eval
+    from specdec.train.publish import publish
+
+    stages, demo_start, timings = stage_configs(cfg), time.perf_counter(), {}
+    with _stage("target-generated data", 1, timings, "data_s"):
+        _generate_data(cfg, stages.data)
+    with _stage("distil the draft", 2, timings, "train_s"):
+        draft = _train_draft(cfg, stages, demo_start)
+    with _stage("evaluate against the target alone", 3, timings, "eval_s"):
+        report = run_eval(dataclasses.replace(stages.eval, draft=str(draft)))
+    with _stage("publish", 4, timings, "publish_s"):
+        publish(dataclasses.replace(stages.publish, draft=str(draft)))
+    out = cfg.out_dir()
+    (out / "demo_summary.json").write_text(json.dumps({"report": report, "timings": timings}, indent=2, default=str))
+    _print_summary(report, Path(stages.eval.out), Path(stages.publish.out), timings)
+    return report
+
+
+def _generate_data(cfg: DemoConfig, data_cfg) -> None:
+    """Stage 1: the target's outputs, within the data's share of the budget (skipped when complete)."""
+    from specdec.train.data import read_manifest
+    from specdec.train.data import run as run_data
+
+    data_dir = Path(data_cfg.output_dir)
+    manifest = read_manifest(data_dir) if (data_dir / "manifest.json").is_file() else {}
+    if manifest.get("complete") and not cfg.fresh:
+        print(f"data already complete in {data_dir}")
+        return
+    manifest = run_data(data_cfg)
+    if not manifest["complete"]:
+        print(f"data: its {data_cfg.max_minutes:.1f} min of the budget gave {len(manifest['shards'])} of "
+              f"{manifest['num_shards']} shards ({manifest['counts']['examples']} examples); training uses "
+              "those (run the demo again to generate the rest)")
+
+
+def _train_draft(cfg: DemoConfig, stages: Stages, demo_start: float) -> Path:
+    """Stage 2: the draft, trained in what the budget leaves after the evaluation's estimate (skipped when
+    trained). -> the best checkpoint, else the final one."""
+    from specdec.train.distill import run as run_train
+
+    train_dir = Path(stages.train.output_dir)
+    final = train_dir / "final"
     if (final / "config.json").is_file() and not cfg.fresh:
         print(f"draft already trained: {final}")
     else:
-        eval_minutes = estimate_eval_minutes(eval_cfg)
+        budget, eval_minutes = cfg.budget_minutes(), estimate_eval_minutes(stages.eval)
         spent = (time.perf_counter() - demo_start) / 60
-        train_cfg.max_minutes = train_minutes(budget, spent, eval_minutes, train_cfg.max_minutes)
-        print(f"training budget {train_cfg.max_minutes:.1f} min (demo budget {budget:.0f} min, {spent:.1f} spent, "
+        stages.train.max_minutes = train_minutes(budget, spent, eval_minutes, stages.train.max_minutes)
+        print(f"training budget {stages.train.max_minutes:.1f} min (demo budget {budget:.0f} min, {spent:.1f} spent, "
               f"evaluation estimated at {eval_minutes:.1f})", flush=True)
-        final = run_train(train_cfg)
+        final = run_train(stages.train)
     best = train_dir / "best"
-    draft = best if (best / "config.json").is_file() else final
-    timings["train_s"] = time.perf_counter() - start
+    return best if (best / "config.json").is_file() else final
 
-    start = _stage("evaluate against the target alone", 3)
-    report = run_eval(dataclasses.replace(eval_cfg, draft=str(draft)))
-    timings["eval_s"] = time.perf_counter() - start
 
-    start = _stage("publish", 4)
-    publish(load_config(
-        PublishConfig, recipe,
-        [f"draft={draft}", f"out={draft_dir}", f"report={eval_dir / 'report.json'}", f"recipe={recipe}",
-         "overwrite=true"],
-        section="publish",
-    ))
-    timings["publish_s"] = time.perf_counter() - start
-    (out / "demo_summary.json").write_text(json.dumps({"report": report, "timings": timings}, indent=2, default=str))
-    _print_summary(report, eval_dir, draft_dir, timings)
-    return report
+def plan_lines(cfg: DemoConfig, stages: Stages) -> list[str]:
+    """`specdec demo --plan`: the recipe, the prompt sets each stage reads (loaded, so a missing asset fails
+    here), the budget and the folders, without loading a model."""
+    from specdec.eval.verify import resolve_prompts_path
+    from specdec.prompts import read_prompts
+    from specdec.train.data import load_prompt_set, prompt_sources
+    from specdec.train.self_prompts import count_from
+
+    data = stages.data
+    read = [s for s in prompt_sources(data) if count_from(s) is None]
+    written = [s for s in prompt_sources(data) if count_from(s) is not None]
+    loaded = len(load_prompt_set(dataclasses.replace(data, prompts=",".join(read)))) if read else 0
+    heldout = resolve_prompts_path(stages.eval.prompts)
+    evaluated = read_prompts(heldout, limit=stages.eval.num_prompts)
+    return [
+        f"specdec demo{' --quick' if cfg.quick else ''}: the plan (nothing runs)",
+        f"recipe            {stages.recipe}",
+        f"target            {stages.eval.target}",
+        f"budget            {cfg.budget_minutes():g} min; data starts no shard past {data.max_minutes:.1f} min",
+        f"[1/4] data        {loaded} prompts from {', '.join(read) or '-'}"
+        + (f" + {', '.join(written)} (written by the target)" if written else "") + f" -> {data.output_dir}",
+        f"[2/4] train       {stages.train.draft} draft, up to {stages.train.max_steps} steps -> {stages.train.output_dir}",
+        f"[3/4] eval        {len(evaluated)} prompts from {heldout} -> {stages.eval.out}",
+        f"[4/4] publish     -> {stages.publish.out}",
+    ]
 
 
 def train_minutes(budget: float, spent: float, eval_minutes: float, recipe_cap: float | None) -> float:
@@ -222,8 +284,11 @@ def _print_summary(report: dict, eval_dir: Path, draft_dir: Path, timings: dict[
 def main(argv: list[str]) -> int:
     """Entry point of `specdec demo`."""
     if argv and argv[0] in ("-h", "--help"):
-        print(__doc__)
+        print(__doc__ + "\n" + help_text(DemoConfig, "specdec demo [--quick] [--plan] [key=value ...]", "options"))
         return 0
     cfg = config_from_cli(DemoConfig, argv, section="demo")
+    if cfg.plan:
+        print("\n".join(plan_lines(cfg, stage_configs(cfg))))
+        return 0
     report = run(cfg)
     return 0 if report.get("equivalence", {}).get("passed", False) else 1

@@ -1,10 +1,13 @@
 """Recipe YAML + overrides -> dataclass configs; unknown keys are errors."""
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
-from specdec.config import config_from_cli, load_config, split_cli
+from specdec.config import config_from_cli, load_config, recipe_file, shipped_recipes, split_cli
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -72,3 +75,17 @@ def test_text_fields_keep_yaml_keywords_as_typed(tmp_path):
     assert load_config(Cfg, None, ["note=null"]).note is None
     with pytest.raises(ValueError, match='quote the value in the recipe.*target: "no"'):
         load_config(Cfg, write(tmp_path, "target: no\n"))
+
+
+def test_a_recipe_is_a_path_or_a_shipped_recipes_name(tmp_path, monkeypatch):
+    """The recipes ship as package data (`specdec.recipes`); `--config` names one from any folder."""
+    assert sorted(p.name for p in shipped_recipes().glob("*.yaml")) == sorted(p.name for p in (ROOT / "recipes").glob("*.yaml"))
+    monkeypatch.chdir(tmp_path)
+    shipped = shipped_recipes() / "smollm2-135m.yaml"
+    assert recipe_file("smollm2-135m") == recipe_file("smollm2-135m.yaml") == recipe_file("recipes/smollm2-135m.yaml") == shipped
+    (tmp_path / "smollm2-135m.yaml").write_text("seed: 1\n")
+    assert recipe_file("smollm2-135m.yaml") == Path("smollm2-135m.yaml")  # a file here comes first
+    for missing in ("no-such-recipe", "elsewhere/smollm2-135m.yaml"):
+        with pytest.raises(ValueError, match="smollm2-135m-quick"):  # the error lists the shipped names
+            recipe_file(missing)
+    assert load_config(Cfg, "smollm2-135m-quick").target == "embedded:smollm2-135m-instruct"

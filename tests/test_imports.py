@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # package -> source folder: pyproject.toml's [tool.setuptools.package-dir] (test_folders_match_pyproject checks).
-FOLDERS = {"specdec.train": "train", "specdec.eval": "eval", "specdec": "specdec"}
+FOLDERS = {"specdec.train": "train", "specdec.eval": "eval", "specdec.recipes": "recipes", "specdec": "specdec"}
 CORE, TRAIN, EVAL = "specdec", "specdec.train", "specdec.eval"
 OLD_NAMES = ("train", "eval")  # the folder names: not packages of the install
 # Folders whose Python files may import the project (all are checked for the old names).
@@ -29,11 +29,16 @@ def _within(name: str, package: str) -> bool:
 
 
 def _module_name(path: Path) -> str:
-    """`train/data.py` -> `specdec.train.data`, `specdec/eagle3/model.py` -> `specdec.eagle3.model` (an
+    """`train/data.py` -> `specdec.train.data`, `train/plan/memory.py` -> `specdec.train.plan.memory` (an
     `__init__.py` keeps its stem: `specdec.train.__init__`)."""
-    parts = path.relative_to(ROOT).parts
-    package = next(p for p, folder in FOLDERS.items() if folder == parts[0])
-    return ".".join([package, *parts[1:-1], path.stem])
+    folder, *rest = path.relative_to(ROOT).with_suffix("").parts
+    package = next(p for p, f in FOLDERS.items() if f == folder)
+    return ".".join([package, *rest])
+
+
+def _python_files(folder: str) -> list[Path]:
+    """A source folder's Python files, its subpackages' included."""
+    return sorted((ROOT / folder).rglob("*.py"))
 
 
 def _source(name: str) -> Path | None:
@@ -67,10 +72,9 @@ def _imports(path: Path):
 
 
 def _project_imports():
-    """(module, imported module, inside a function?) for every import in specdec/, train/ and eval/ (subpackages
-    included)."""
+    """(module, imported module, inside a function?) for every import in specdec/, train/ and eval/."""
     for folder in FOLDERS.values():
-        for path in sorted((ROOT / folder).rglob("*.py")):
+        for path in _python_files(folder):
             module = _module_name(path)
             for name, nested in _imports(path):
                 yield module, name, nested
@@ -96,7 +100,7 @@ def test_imports_go_one_way():
 def test_nothing_imports_the_folder_names():
     """`from train import x` works from the checkout (its root is on sys.path) and nowhere else."""
     old = [(str(path.relative_to(ROOT)), name) for folder in (*FOLDERS.values(), *USERS)
-           for path in sorted((ROOT / folder).rglob("*.py")) for name, _ in _imports(path)
+           for path in _python_files(folder) for name, _ in _imports(path)
            if name.split(".")[0] in OLD_NAMES]
     assert not old, f"import specdec.train / specdec.eval instead: {old}"
 
@@ -117,7 +121,7 @@ def _old_module_runs(path: Path) -> list[str]:
 
 def test_commands_run_the_installed_names():
     runs = {str(p.relative_to(ROOT)): found for folder in (*FOLDERS.values(), *USERS)
-            for p in sorted((ROOT / folder).rglob("*.py")) if (found := _old_module_runs(p))}
+            for p in _python_files(folder) if (found := _old_module_runs(p))}
     assert not runs, f"`-m train` / `-m eval` run the checkout's folders only; use -m specdec.train: {runs}"
     from specdec.cli import COMMANDS
 
@@ -170,12 +174,15 @@ def test_the_rules_can_fail(tmp_path, monkeypatch):
     (tmp_path / "train" / "c.py").write_text("from specdec import a\n")
     (tmp_path / "eval" / "d.py").write_text("from specdec import train\nfrom eval import e\n")
     (tmp_path / "eval" / "e.py").write_text("import subprocess\nsubprocess.run(['python', '-m', 'train'])\n")
+    (tmp_path / "eval" / "sub").mkdir()  # a subpackage's modules are walked too
+    (tmp_path / "eval" / "sub" / "f.py").write_text("from specdec.train import c\n")
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     found = set(_project_imports())
     assert ("specdec.b", "specdec.train.c", True) in found and ("specdec.a", "specdec.b", False) in found
     assert ("specdec.train.c", "specdec.a", False) in found
     assert set(_wrong_imports()) == {("specdec.b", "specdec.train"), ("specdec.b", "specdec.train.c"),
-                                     ("specdec.eval.d", "specdec.train"), ("specdec.eval.d", "eval")}
+                                     ("specdec.eval.d", "specdec.train"), ("specdec.eval.d", "eval"),
+                                     ("specdec.eval.sub.f", "specdec.train"), ("specdec.eval.sub.f", "specdec.train.c")}
     assert _old_module_runs(tmp_path / "eval" / "e.py") == ["train"]
     with pytest.raises(AssertionError, match="specdec.a -> specdec.b -> specdec.a"):
         test_module_level_imports_have_no_cycle()

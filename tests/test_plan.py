@@ -1,4 +1,4 @@
-"""The memory and disk plan (train/plan.py): its activation formula against the measured peaks of real EAGLE-3
+"""The memory and disk plan (train/plan/): its activation formula against the measured peaks of real EAGLE-3
 training steps, its parameter counts against the modules, the refusal of a run that cannot fit, and `--plan`.
 
 A measured step runs in a child process (this file run as a script) with glibc's mmap threshold fixed, so that

@@ -1,43 +1,35 @@
-"""What `pip install specdec` puts into site-packages: one top-level package, `specdec`, with the train/ and eval/
-folders inside it as `specdec.train` and `specdec.eval` (pyproject.toml's package-dir), never top-level `train` or
-`eval` packages that would collide with users' own modules (`eval` would also shadow the builtin).
+"""What `pip install specdec` puts into site-packages: one top-level package, `specdec`, with the train/, eval/ and
+recipes/ folders inside it as `specdec.train`, `specdec.eval` and `specdec.recipes` (pyproject.toml's package-dir),
+never top-level `train` or `eval` packages that would collide with users' own modules (`eval` would also shadow the
+builtin); and that the installed command runs from another folder, finding its recipe and prompt sets in the
+install (`specdec demo --quick --plan`; CI runs the whole quick demo the same way: `make wheel-demo`).
 
-Builds the wheel from a copy of the sources (no build/ left in the checkout), installs it with --no-deps into a
-fresh venv that sees nothing of this one, and reads files only (no torch there)."""
+scripts/wheel_venv.py builds the wheel from a copy of the sources (no build/ left in the checkout) and installs it
+with --no-deps into a fresh venv: one that sees nothing of this one (files only, no torch there), and one whose
+dependencies come from this venv's site-packages through plain path lines (its editable install stays inactive)."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
+import importlib.util
+import os
 import zipfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = {"specdec": "specdec", "train": "specdec/train", "eval": "specdec/eval"}  # source folder -> in the wheel
-
-
-def _run(*cmd, cwd=None):
-    done = subprocess.run([str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"{cmd} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    return done
+# source folder -> in the wheel
+FOLDERS = {"specdec": "specdec", "train": "specdec/train", "eval": "specdec/eval", "recipes": "specdec/recipes"}
+_spec = importlib.util.spec_from_file_location("wheel_venv", ROOT / "scripts" / "wheel_venv.py")
+wheel_venv = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(wheel_venv)
+_run = wheel_venv.run
 
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     pytest.importorskip("setuptools")  # --no-build-isolation builds with this venv's setuptools (no index needed)
-    src = tmp_path_factory.mktemp("src")
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy2(ROOT / name, src / name)
-    for folder in FOLDERS:
-        shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    out = tmp_path_factory.mktemp("wheel")
-    _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w", out,
-         src)
-    (found,) = out.glob("specdec-*.whl")
-    return found
+    return wheel_venv.build_wheel(tmp_path_factory.mktemp("wheel"))
 
 
 def _sources(folder: str) -> set[str]:
@@ -56,16 +48,15 @@ def test_wheel_holds_specdec_only_with_train_and_eval_inside(wheel):
         missing = {f for f in _sources(folder) if f"{inside}/{f}" not in names}
         assert not missing, f"{folder}/ files missing from the wheel: {sorted(missing)}"
     for need in ("specdec/train/__init__.py", "specdec/eval/__init__.py", "specdec/train/vllm_worker.py",
-                 "specdec/train/assets/prompts_train.jsonl", "specdec/train/assets/prompts_heldout.jsonl"):
+                 "specdec/train/assets/prompts_train.jsonl", "specdec/train/assets/prompts_heldout.jsonl",
+                 "specdec/recipes/smollm2-135m-quick.yaml", "specdec/recipes/accelerate/cpu.yaml"):
         assert need in names
 
 
 def test_installed_wheel_adds_one_top_level_name(wheel, tmp_path):
     venv = tmp_path / "venv"
-    _run(sys.executable, "-m", "venv", "--without-pip", venv)  # plain: no system site-packages, no dev install
+    purelib = wheel_venv.install(wheel, venv, dependencies=False)  # plain: no system site-packages, no dev install
     python = venv / "bin" / "python"
-    _run(sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps", "--no-index", wheel)
-    purelib = Path(_run(python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))").stdout.strip())
     assert sorted(p.name for p in purelib.iterdir()) == ["specdec", "specdec-0.1.0.dist-info"]
     assert (venv / "bin" / "specdec").is_file()
     for folder, inside in FOLDERS.items():
@@ -80,3 +71,25 @@ def test_installed_wheel_adds_one_top_level_name(wheel, tmp_path):
     assert found[:2] == ["True", "True"]
     assert found[2:] == [str(purelib / "specdec" / "train" / "__init__.py"),
                          str(purelib / "specdec" / "eval" / "__init__.py")]
+
+
+def test_installed_wheel_runs_the_demo_from_another_folder(wheel, tmp_path):
+    """The installed `specdec` command, run where there is no checkout, imports the wheel's specdec and finds the
+    quick demo's recipe and prompt sets inside the install: `demo --plan` loads every stage's config and reads
+    the prompt sets each stage would (the whole demo is CI's `make wheel-demo`, minutes on 2 cores)."""
+    venv, elsewhere = tmp_path / "venv", tmp_path / "elsewhere"
+    purelib = wheel_venv.install(wheel, venv)
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    python = venv / "bin" / "python"
+    found = _run(python, "-c", "import specdec, torch; print(specdec.__file__)", cwd=elsewhere,
+                 env=env).stdout.strip()
+    assert found == str(purelib / "specdec" / "__init__.py")
+    shown = _run(venv / "bin" / "specdec", "demo", "--quick", "--plan", cwd=elsewhere, env=env).stdout
+    lines = {line.split()[0]: line for line in shown.splitlines() if line.strip()}
+    assert lines["recipe"].split()[-1] == str(purelib / "specdec" / "recipes" / "smollm2-135m-quick.yaml")
+    assert f"8 prompts from {purelib / 'specdec' / 'train' / 'assets' / 'prompts_heldout.jsonl'}" in shown
+    assert "48 prompts from embedded:train" in shown
+    assert not (elsewhere / "outputs").exists()  # a plan writes nothing
+    usage = _run(venv / "bin" / "specdec", "--help", cwd=elsewhere, env=env).stdout
+    assert str(purelib / "specdec" / "recipes") in usage and "smollm2-135m-quick" in usage

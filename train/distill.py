@@ -146,7 +146,7 @@ class TrainConfig:
     resume_from: str = ""  # "" | latest | a checkpoint folder
     record_consumed: bool = False  # write each step's sample ids to output_dir/consumed/rank-R.jsonl
     wandb_project: str = "specdec"
-    # the memory plan (train/plan.py), which every run checks before it starts
+    # the memory plan (train/plan/), which every run checks before it starts
     plan_device_gb: float = 0.0  # memory per device (GiB) to plan and check against; 0 = this device's
     plan_devices: int = 0  # processes to plan for (`specdec train --plan`); 0 = this launch's
 
@@ -419,7 +419,7 @@ class Distiller:
     def run(self) -> Path:
         """Train per the config; returns output_dir/final."""
         cfg = self.cfg
-        # Before anything loads: a run that cannot fit stops here, with the fix (train/plan.py).
+        # Before anything loads: a run that cannot fit stops here, with the fix (train/plan/).
         plan.check_run(cfg, self.device, self.accelerator.mixed_precision, self.world, self.main)
         self.setup_data()
         self.setup_models()

@@ -1,4 +1,4 @@
-"""Training and held-out scoring of an EAGLE-3 draft (specdec/eagle3.py).
+"""Training and held-out scoring of an EAGLE-3 draft (specdec/eagle3/).
 
 Training-time test (EAGLE-3's scheme, Li et al. 2025, arXiv:2503.01840): at decode time only the first proposal
 of a round reads the target's hidden states; proposal j reads the draft's own output from proposal j - 1. Each

@@ -17,7 +17,7 @@ Output, resumable (rerun the same command after a crash; finished shards are kep
     <output_dir>/shards/shard-00000.parquet     prompt_id, category, sample_index, turn, input_ids (prompt +
                                                 completion), prompt_length [, top_ids, top_logprobs]
     <output_dir>/shards/shard-00000.features.safetensors   with record_features=true: the target's states
-                                                (specdec/eagle3.py) at each row's fed positions, tensor
+                                                (specdec/eagle3/) at each row's fed positions, tensor
                                                 "<row index>" [prompt + completion - 1, W] bfloat16, so an EAGLE-3
                                                 draft trains with no target forward
     <output_dir>/vllm-worker.log               with backend=vllm: the engine's own log (of the latest run;

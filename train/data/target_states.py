@@ -1,4 +1,4 @@
-"""The target's recorded states (specdec/eagle3.py: the final norm's output, then the residual stream after each
+"""The target's recorded states (specdec/eagle3/: the final norm's output, then the residual stream after each
 of eagle_aux_layer_ids) at each row's fed positions, [prompt + completion - 1, W] bfloat16: recorded while the
 transformers backend decodes, or by one batched prefill over finished sequences (vLLM's `prefill` states,
 responses=dataset). Every forward of the target's hidden states in the data stage is in this module."""
