@@ -340,15 +340,15 @@ def test_the_online_teachers_restricted_head_gives_the_restricted_full_logits():
 def test_the_loss_is_zero_only_where_the_draft_can_propose(target4):
     """EAGLE-3's position mask: positions whose target token lies outside the draft vocabulary add nothing, and a
     draft vocabulary without any of the data's tokens gives a zero loss (not a nan)."""
+    from specdec.eagle3 import target_states
     from specdec.train.batches import collate
     from specdec.train.distill import TrainConfig
-    from specdec.train.eagle3_states import target_states
     from specdec.train.eagle3_train import eagle3_loss
 
     draft = Eagle3Draft.from_target(target4, LAYERS, keep_ids=torch.tensor([3, 4]))
     seqs = [[10, 11, 12, 13, 14, 15], [20, 21, 22, 23]]
     batch = collate({"input_ids": seqs, "prompt_length": [2, 2]}, pad_id=0, max_length=16)
-    states = target_states(target4, batch["input_ids"], batch["attention_mask"], LAYERS).float()
+    states = target_states(target4, batch["input_ids"], batch["attention_mask"], LAYERS, final=True).float()
     inv = torch.full((VOCAB,), -1, dtype=torch.long)
     inv[draft.draft_to_target] = torch.arange(2)
     cfg = TrainConfig(draft="eagle3", teacher="offline", loss="ce", ttt_steps=2, eagle_aux_layer_ids=LAYERS)
@@ -360,10 +360,10 @@ def test_the_loss_is_zero_only_where_the_draft_can_propose(target4):
 def test_packed_and_unpacked_batches_give_the_same_loss_and_gradients(target4, teacher):
     """Samples packed into rows (document ids through every attention, positions and the loss) train exactly as
     the same samples one per row: the loss and every gradient agree to float rounding."""
+    from specdec.eagle3 import target_states
     from specdec.train import losses
     from specdec.train.batches import collate, pack, pack_order, place
     from specdec.train.distill import TrainConfig
-    from specdec.train.eagle3_states import target_states
     from specdec.train.eagle3_train import eagle3_loss, teacher_head
 
     g = torch.Generator().manual_seed(3)
@@ -379,7 +379,7 @@ def test_packed_and_unpacked_batches_give_the_same_loss_and_gradients(target4, t
     draft = Eagle3Draft.from_target(target4, LAYERS, keep_ids=torch.arange(60), seed=1)
     inv = losses.target_to_draft_map(draft.draft_to_target, VOCAB)
     head = teacher_head(target4.get_output_embeddings(), draft.kept_ids()) if teacher == "online" else None
-    states = target_states(target4, batch["input_ids"], batch["attention_mask"], LAYERS).float()
+    states = target_states(target4, batch["input_ids"], batch["attention_mask"], LAYERS, final=True).float()
     cfg = TrainConfig(draft="eagle3", teacher=teacher, ttt_steps=3, eagle_aux_layer_ids=LAYERS)
     results = []
     for b, s in ((batch, states), (packed, place(states, packed))):
@@ -398,15 +398,15 @@ def test_packed_and_unpacked_batches_give_the_same_loss_and_gradients(target4, t
 def test_a_batch_with_nothing_scored_still_gives_every_parameter_a_gradient(target4):
     """DDP's reducer expects a gradient for every parameter from every process: a micro-batch with no scored
     position (all prompt, say) must still reach the head, the norm and fc, with zeros."""
+    from specdec.eagle3 import target_states
     from specdec.train.batches import collate
     from specdec.train.distill import TrainConfig
-    from specdec.train.eagle3_states import target_states
     from specdec.train.eagle3_train import eagle3_loss
 
     draft = Eagle3Draft.from_target(target4, LAYERS, keep_ids=torch.arange(40))
     batch = collate({"input_ids": [[10, 11, 12, 13]], "prompt_length": [4]}, pad_id=0, max_length=16)
     assert not batch["loss_mask"].any()
-    states = target_states(target4, batch["input_ids"], batch["attention_mask"], LAYERS).float()
+    states = target_states(target4, batch["input_ids"], batch["attention_mask"], LAYERS, final=True).float()
     cfg = TrainConfig(draft="eagle3", teacher="online", ttt_steps=3, eagle_aux_layer_ids=LAYERS)
     loss = eagle3_loss(cfg, draft, batch, states, None, None)
     loss.backward()
@@ -531,7 +531,7 @@ def test_states_are_read_per_batch_as_recorded_or_computed_online(tmp_path):
     states = States("auto", target, contextlib.nullcontext, StatesReader([tmp_path / "rec"], LAYERS, width), LAYERS)
     read = states.read(rows, batch["input_ids"].shape[1])
     assert read[1] == [True, True, True]
-    expected = target_states(target, batch["input_ids"], batch["attention_mask"], LAYERS).float()
+    expected = target_states(target, batch["input_ids"], batch["attention_mask"], LAYERS, final=True).float()
     for b, length in enumerate(batch["attention_mask"].sum(1).tolist()):
         # the recording stops before each row's last token (never fed to the target): zeros there
         torch.testing.assert_close(read[0][b, : length - 1], expected[b, : length - 1], atol=3e-2, rtol=2e-2)

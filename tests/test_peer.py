@@ -27,9 +27,8 @@ KEEP = 64
 def write_folder(folder: Path, target, samples: int, seed: int, completion: int = 8) -> None:
     """A `specdec data` folder of the target's greedy completions with its recorded states (final norm's output,
     then the residual streams after LAYERS, bf16, [len - 1, 4H] per row) and top-4 log-probs."""
-    from specdec.eagle3 import RECORDED_STATES_DTYPE
+    from specdec.eagle3 import RECORDED_STATES_DTYPE, target_states
     from specdec.train.data import features_file, write_features, write_shard
-    from specdec.train.eagle3_states import target_states
 
     g = torch.Generator().manual_seed(seed)
     rows = []
@@ -42,7 +41,7 @@ def write_folder(folder: Path, target, samples: int, seed: int, completion: int 
                 tops.append(top.indices.tolist())
                 lps.append(top.values.tolist())
                 ids.append(int(top.indices[0]))
-            states = target_states(target, torch.tensor([ids[:-1]]), torch.ones(1, len(ids) - 1), LAYERS)[0]
+            states = target_states(target, torch.tensor([ids[:-1]]), torch.ones(1, len(ids) - 1), LAYERS, final=True)[0]
             rows.append({"prompt_id": f"p{seed}-{i}", "category": "test", "sample_index": 0, "turn": 0,
                          "input_ids": ids, "prompt_length": prompt, "top_ids": tops, "top_logprobs": lps,
                          "features": states.to(RECORDED_STATES_DTYPE)})

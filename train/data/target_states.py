@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from specdec.eagle3 import RECORDED_STATES_DTYPE, HiddenStateRecorder
+from specdec.eagle3 import RECORDED_STATES_DTYPE, HiddenStateRecorder, target_states
 
 
 def recording_while_decoding(model, layer_ids: list[int], record: bool):
@@ -69,12 +69,12 @@ def prefill(model, sequences: list[list[int]], layer_ids: list[int] | None, batc
     fed = [seq[:-1] for seq in sequences]
     order = sorted(range(len(fed)), key=lambda i: -len(fed[i]))  # similar lengths together: less padding
     out: list[tuple[Any, Any, Any]] = [(None, None, None)] * len(fed)
-    with HiddenStateRecorder(model, layer_ids or [], final=True) as recorder, torch.inference_mode():
+    with torch.inference_mode():
         for start in range(0, len(order), batch_size):
             chunk = order[start: start + batch_size]
             ids, mask = _right_padded([fed[i] for i in chunk], pad)
-            model.get_decoder()(input_ids=ids.to(device), attention_mask=mask.to(device))
-            latest = recorder.latest  # [b, width, W]; the final norm's output first
+            # [b, width, W]; the final norm's output first
+            latest = target_states(model, ids.to(device), mask.to(device), layer_ids or [], final=True)
             for row, i in enumerate(chunk):
                 features = top_ids = top_lp = None
                 if layer_ids is not None:
