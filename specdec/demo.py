@@ -192,7 +192,8 @@ def plan_lines(cfg: DemoConfig, stages: Stages) -> list[str]:
     here), the budget and the folders, without loading a model."""
     from specdec.eval.verify import resolve_prompts_path
     from specdec.prompts import read_prompts
-    from specdec.train.data import load_prompt_set, prompt_sources
+    from specdec.train.data import load_prompt_set
+    from specdec.train.data.sources import prompt_sources
     from specdec.train.self_prompts import count_from
 
     data = stages.data

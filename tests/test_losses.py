@@ -208,10 +208,9 @@ def test_a_loss_registered_in_the_table_trains_both_kinds(stub_loss):
     """Adding a loss is a row of `losses.LOSSES`: the config accepts it and both trainers compose it."""
     from conftest import tiny_llama
 
-    from specdec.eagle3 import Eagle3Draft
+    from specdec.eagle3 import Eagle3Draft, target_states
     from specdec.train import plain_train
     from specdec.train.batches import collate
-    from specdec.train.eagle3_states import target_states
     from specdec.train.eagle3_train import eagle3_loss, teacher_head
 
     with pytest.raises(ValueError, match="fkl, rkl, jsd, tvd, ce, seven"):
@@ -226,7 +225,7 @@ def test_a_loss_registered_in_the_table_trains_both_kinds(stub_loss):
     assert torch.allclose(plain, 7.0 + 0.5 * ce) and stub_loss == [((scored, 128), (scored, 128), 1.5)]
     target = tiny_llama(seed=0, layers=4, dtype=torch.float32)
     draft = Eagle3Draft.from_target(target, [1, 2, 3], seed=1)
-    states = target_states(target, batch["input_ids"], batch["attention_mask"], [1, 2, 3]).float()
+    states = target_states(target, batch["input_ids"], batch["attention_mask"], [1, 2, 3], final=True).float()
     head = teacher_head(target.get_output_embeddings(), draft.kept_ids())
     cfg = _cfg(draft="eagle3", loss="seven", ttt_steps=2, eagle_aux_layer_ids=[1, 2, 3])
     assert torch.allclose(eagle3_loss(cfg, draft, batch, states, head, None), torch.tensor(7.0))

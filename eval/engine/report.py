@@ -21,7 +21,7 @@ from specdec.eval.engine.markdown import _has_specdec
 from specdec.eval.engine.metrics import acceptance, phase_metrics
 from specdec.eval.engine.probe import exact_first_two, judge_first_two
 from specdec.eval.engine.server import EngineError
-from specdec.eval.engine.sweep import TARGET_ONLY, Plan, Workload, run_sweep
+from specdec.eval.engine.sweep import TARGET_ONLY, Plan, ServedWorkload, run_sweep
 from specdec.eval.plots import _plt
 from specdec.eval.verify import first_turn, resolve_prompts_path
 from specdec.models import load_tokenizer, resolve_device
@@ -53,7 +53,7 @@ def _sweep(engine, cfg, plan: Plan, k: int, encoded: list[list[int]], out_dir: P
     if not sampling.greedy and cfg.equivalence_samples:
         probe = exact_first_two(cfg.target, plan.dtype, encoded[0], sampling, cfg.equivalence_samples)
     seeds = [cfg.seed + i for i in range(len(encoded))] if not sampling.greedy else None
-    work = Workload(encoded, request_body(sampling, cfg.max_new_tokens), seeds, cfg.concurrency, cfg.warmup, k,
+    work = ServedWorkload(encoded, request_body(sampling, cfg.max_new_tokens), seeds, cfg.concurrency, cfg.warmup, k,
                     cfg.seed)
     servers = engine.servers(cfg, plan, [TARGET_ONLY, *plan.methods], k, out_dir)
     return run_sweep(servers, plan, work, probe, sampling), probe

@@ -40,7 +40,7 @@ class Plan:
 
 
 @dataclass
-class Workload:
+class ServedWorkload:
     """What every server is asked, identically."""
 
     prompts: list[list[int]]  # token ids, encoded as specdec's own eval encodes them
@@ -73,7 +73,7 @@ def _died(server: Server, what: str, phase: Phase) -> ServerDied:
     return err
 
 
-def measure_phase(server: Server, concurrency: int, work: Workload, timeout: float, progress=None) -> Phase:
+def measure_phase(server: Server, concurrency: int, work: ServedWorkload, timeout: float, progress=None) -> Phase:
     """One measured phase of the server's mode; ServerDied when the server went away during it (the requests so
     far are attached)."""
     mode = server.label
@@ -113,7 +113,7 @@ def _order(modes: list[str], levels: list[int]):
             yield mode, c
 
 
-def _measure_one(server: Server, c: int, work: Workload, timeout: float, result: dict, dead: set[str],
+def _measure_one(server: Server, c: int, work: ServedWorkload, timeout: float, result: dict, dead: set[str],
                  bar) -> None:
     """One phase into `result`: its figures, or what is missing and why (a dead server stays dead)."""
     mode = server.label
@@ -138,7 +138,7 @@ def _measure_one(server: Server, c: int, work: Workload, timeout: float, result:
         result["phases"].append(phase)
 
 
-def _measure_group(group: dict[str, Server], plan: Plan, work: Workload, result: dict, bar,
+def _measure_group(group: dict[str, Server], plan: Plan, work: ServedWorkload, result: dict, bar,
                    probe: FirstTwo | None, sampling) -> None:
     """Start these servers together, warm each up, measure every (mode, level), draw the sampling check, stop."""
     dead: set[str] = set()
@@ -157,7 +157,7 @@ def _measure_group(group: dict[str, Server], plan: Plan, work: Workload, result:
             result["servers"][mode] = server.summary()
 
 
-def run_sweep(servers: dict[str, Server], plan: Plan, work: Workload, probe: FirstTwo | None = None,
+def run_sweep(servers: dict[str, Server], plan: Plan, work: ServedWorkload, probe: FirstTwo | None = None,
               sampling=None) -> dict:
     """Every (mode, level) phase over `servers` (mode -> not yet started); returns {"phases", "servers",
     "errors", "missing", "draws", "side_by_side"} and, after a start-up failure, "fatal". With a probe
