@@ -35,6 +35,20 @@ class CosineToEnd:
         return max(0.0, 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0))))
 
 
+class LinearToEnd(CosineToEnd):
+    """Linear warm-up then linear decay to zero at `end` (transformers' get_linear_schedule_with_warmup, the
+    schedule speculators' trainer uses), with the same movable end."""
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return step / max(1, self.warmup_steps)
+        progress = (step - self.warmup_steps) / max(1, self.end - self.warmup_steps)
+        return max(0.0, 1.0 - min(progress, 1.0))
+
+
+SCHEDULES = {"cosine": CosineToEnd, "linear": LinearToEnd}  # TrainConfig.lr_schedule
+
+
 class TimeBudget:
     """Wall time of one training run, summed over resumes, against `minutes`."""
 

@@ -170,7 +170,9 @@ class Eagle3Training:
         vocab = target.get_input_embeddings().num_embeddings
         size = kept_vocab_size(cfg, vocab)
         keep = vocabulary(vocab, size) if size else None
-        model = Eagle3Draft.from_target(target, cfg.eagle_aux_layer_ids or None, keep, cfg.seed)
+        model = Eagle3Draft.from_target(target, cfg.eagle_aux_layer_ids or None, keep, cfg.seed,
+                                        layer_init=cfg.layer_init, fc_init=cfg.fc_init,
+                                        norm_before_residual=cfg.norm_before_residual)
         model = model.float().to(device)
         check_compatible(tokenizer, tokenizer, target, model)
         if cfg.freeze_head:

@@ -267,14 +267,18 @@ class Eagle3Draft(nn.Module):
     # ---- construction, saving and loading
     @classmethod
     def from_target(cls, target: nn.Module, layer_ids: list[int] | None = None,
-                    keep_ids: torch.Tensor | None = None, seed: int = 0) -> Eagle3Draft:
-        """A new draft for `target`: its frozen embeddings, its final norm and head rows (the kept ids), and a
-        randomly initialised fc and layer (seeded), reading the target's residual stream after `layer_ids`."""
+                    keep_ids: torch.Tensor | None = None, seed: int = 0, layer_init: str = "random",
+                    fc_init: str = "random", norm_before_residual: bool = False) -> Eagle3Draft:
+        """A new draft for `target`: its frozen embeddings, its final norm and head rows (the kept ids), and an fc
+        and a layer (seeded), reading the target's residual stream after `layer_ids`. The layer starts random or
+        as the target's last layer (`layer_init="target"`); fc random or passing the last state through
+        (`fc_init="last_state"`)."""
         num_layers = len(target.get_decoder().layers)
         ids = check_layer_ids(layer_ids or default_layer_ids(num_layers), num_layers)
         vocab = target.get_input_embeddings().num_embeddings
         config = draft_config(target.config, ids, vocab if keep_ids is None else int(keep_ids.numel()))
         config.vocab_size = vocab
+        config.norm_before_residual = bool(norm_before_residual)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             draft = cls(config)
@@ -287,6 +291,10 @@ class Eagle3Draft(nn.Module):
             draft.norm.weight.copy_(target.get_decoder().norm.weight)
             head = target.get_output_embeddings().weight
             draft.lm_head.weight.copy_(head[draft.kept_ids().to(head.device)])
+            if layer_init == "target":
+                _start_as_layer(draft.midlayer, target.get_decoder().layers[-1])
+            if fc_init == "last_state":
+                _pass_last_state(draft.fc, config.target_hidden_size)
         draft.embed_tokens.weight.requires_grad_(False)
         return draft
 
@@ -346,4 +354,22 @@ def _init_weights(module: nn.Module) -> None:
         nn.init.normal_(module.weight, std=0.02)
     elif isinstance(module, nn.Embedding):
         nn.init.normal_(module.weight, std=0.02)
+
+
+def _start_as_layer(layer: Eagle3Layer, source: nn.Module) -> None:
+    """The draft layer as a copy of a target layer where their shapes meet: attention's weights on the state's
+    half of q/k/v's input (the token's half keeps its random start), o_proj, the MLP and the norms."""
+    hidden = layer.hidden_norm.weight.numel()
+    for name in ("q_proj", "k_proj", "v_proj"):
+        getattr(layer.self_attn, name).weight[:, hidden:].copy_(getattr(source.self_attn, name).weight)
+    layer.self_attn.o_proj.weight.copy_(source.self_attn.o_proj.weight)
+    layer.mlp.load_state_dict({k: v for k, v in source.mlp.state_dict().items()})
+    layer.hidden_norm.weight.copy_(source.input_layernorm.weight)
+    layer.post_attention_layernorm.weight.copy_(source.post_attention_layernorm.weight)
+
+
+def _pass_last_state(fc: nn.Linear, width: int) -> None:
+    """fc(cat(states)) = the last of the states: the layer starts from the deepest recorded residual stream."""
+    fc.weight.zero_()
+    fc.weight[:, -width:].copy_(torch.eye(width, dtype=fc.weight.dtype, device=fc.weight.device))
 
