@@ -17,6 +17,7 @@ from specdec.decode import target_generate
 from specdec.eagle3 import HiddenStateRecorder
 from specdec.prompts import encode_prompt, read_prompts
 from specdec.train import data as gen
+from specdec.train import prompt_templates
 from specdec.train.data import (
     DataConfig,
     conversation,
@@ -31,6 +32,9 @@ from specdec.train.data.processes import Processes
 from specdec.train.prompt_templates import (
     EMBEDDED_HELDOUT_PROMPTS,
     EMBEDDED_TRAIN_PROMPTS,
+    HELDOUT_TOTAL,
+    SHARED_STREAM_KINDS,
+    TRAIN_PER_KIND,
     build_prompt_sets,
 )
 
@@ -535,14 +539,36 @@ def test_embedded_prompt_files_are_what_the_generator_makes():
 
 def test_embedded_prompt_set_shape():
     train, heldout = read_prompts(EMBEDDED_TRAIN_PROMPTS), read_prompts(EMBEDDED_HELDOUT_PROMPTS)
-    assert len(train) >= 1500 and 140 <= len(heldout) <= 160
-    assert len({p.category for p in train}) >= 10 and {p.category for p in heldout} == {p.category for p in train}
+    kinds = {p.category for p in train}
+    assert {"translation", "reading-comprehension", "long-summarisation"} < kinds and len(kinds) >= 16
+    assert len(train) == TRAIN_PER_KIND * len(kinds) and len(heldout) == HELDOUT_TOTAL
+    assert {p.category for p in heldout} == kinds
     texts = ["\n\n".join(p.turns) for p in train]
     assert len(set(texts)) == len(texts)
     assert not {"\n\n".join(p.turns) for p in heldout} & set(texts)
     train_turns = {_norm(t) for p in train for t in p.turns if len(p.turns) == 1}
     assert not any(_norm(t) in train_turns for p in heldout for t in p.turns)
     assert any(len(p.turns) == 2 for p in train)
+
+
+def test_a_kind_added_later_changes_no_other_kinds_prompts(tmp_path, monkeypatch):
+    """The first kinds share one stream; each later kind has its own: dropping a later kind leaves the others'
+    train prompts (and their held-out prompts, up to the held-out share) as they were."""
+    train, heldout = build_prompt_sets()
+    data = json.loads(prompt_templates.TEMPLATES.read_text(encoding="utf-8"))
+    later = [k for k in data["kinds"] if k not in SHARED_STREAM_KINDS]
+    assert later and list(data["kinds"])[: len(SHARED_STREAM_KINDS)] == list(SHARED_STREAM_KINDS)
+    dropped = later[0]
+    del data["kinds"][dropped]
+    (tmp_path / "templates.json").write_text(json.dumps(data), encoding="utf-8")
+    monkeypatch.setattr(prompt_templates, "TEMPLATES", tmp_path / "templates.json")
+    fewer_train, fewer_heldout = build_prompt_sets()
+    assert fewer_train == [r for r in train if r["category"] != dropped]
+    for kind in data["kinds"]:
+        mine = [r for r in heldout if r["category"] == kind]
+        theirs = [r for r in fewer_heldout if r["category"] == kind]
+        n = min(len(mine), len(theirs))
+        assert n >= 11 and mine[:n] == theirs[:n]
 
 
 @needs_spec_bench

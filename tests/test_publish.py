@@ -209,6 +209,26 @@ def test_a_report_measured_with_a_tree_says_so_and_engines_get_its_depth():
     assert '"num_speculative_tokens": 2' in card  # vLLM runs the draft as a chain of the tree's depth
 
 
+def test_card_names_the_task_types_where_the_draft_is_weak():
+    cats = {name: {"prompts": n, "baseline_tokens_per_s": 17.0, "speculative_tokens_per_s": 20.0, "speedup": s,
+                   "acceptance_rate": a, "mean_accepted_tokens": 2.0}
+            for name, n, a, s in (("coding", 12, 0.74, 1.52), ("math", 11, 0.66, 1.41),
+                                  ("translation", 11, 0.41, 1.02), ("long-summarisation", 10, 0.50, 1.11))}
+    card = render_card(_info(), {**REPORT, "categories": cats})
+    section = _section(card, "By task type")
+    assert "| task type | prompts | acceptance | speedup |" in section
+    assert "| translation | 11 | 0.410 | 1.02x |" in section and "| coding | 12 | 0.740 | 1.52x |" in section
+    # more than 0.1 below the overall 0.623: the lowest first; math (0.66) and coding are not named
+    weak = section.split("The draft is weak on ", 1)[1]
+    assert weak.startswith("translation (0.410) and long-summarisation (0.500): acceptance more than 0.1 below")
+    assert "math" not in weak and "coding" not in weak and "Training the draft on more prompts" in weak
+
+    even = {name: {**c, "acceptance_rate": 0.6} for name, c in cats.items()}
+    section = _section(render_card(_info(), {**REPORT, "categories": even}), "By task type")
+    assert "weak" not in section and "No task type's acceptance is more than 0.1 below" in section
+    assert "By task type" not in render_card(_info(), REPORT)  # no categories, no section
+
+
 def test_card_without_report_states_no_figures():
     card = render_card(_info(), None)
     results = _section(card, "Results")

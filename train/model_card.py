@@ -2,7 +2,8 @@
 
 `render_card(info, report)` is a pure function: everything it states comes from `info` (what `publish` knows
 about the checkpoint) or from `report` (an `specdec eval` report.json). Without a report the card says
-"not measured" and states no figures.
+"not measured" and states no figures. When the report has per-category figures, the card's "By task type" table
+lists them and names the task types where acceptance is well below the overall rate.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import yaml
 TAGS = ("speculative-decoding", "draft-model", "assistant-model", "specdec")
 DEFAULT_K = 4  # the snippets' k when no report measured one
 LEAK_WARNING = 0.01  # an expanded head putting more than this mass on dropped ids gets a note in the card
+WEAK_MARGIN = 0.1  # a task type whose acceptance is this far below the overall rate is named as a weak spot
+WEAK_MAX = 3  # at most this many weak task types named (the lowest first)
 
 
 @dataclasses.dataclass
@@ -139,7 +142,34 @@ def _results(report: dict | None) -> list[str]:
     if isinstance(reasons, list) and reasons:
         lines += ["", "Decision reasons:", ""] + [f"- {reason}" for reason in reasons]
     lines += ["", "Speedup depends on the machine, batch size and prompts: measure it on yours.", ""]
-    return lines
+    return lines + _task_type_lines(report)
+
+
+def _task_type_lines(report: dict) -> list[str]:
+    """Figures per prompt category (report.json's `categories`) and the task types where the draft is weak."""
+    cats = _get(report, "categories")
+    if not isinstance(cats, dict) or not cats:
+        return []
+    cats = {str(name): c for name, c in cats.items() if isinstance(c, dict)}
+    lines = ["## By task type", "", "The same run's figures per prompt category.", "",
+             "| task type | prompts | acceptance | speedup |", "|---|---:|---:|---:|"]
+    lines += [f"| {name} | {_fmt(c.get('prompts'), 'd')} | {_fmt(c.get('acceptance_rate'), '.3f')} | "
+              f"{_fmt(c.get('speedup'), '.2f', 'x')} |" for name, c in cats.items()]
+    overall = _get(report, "speculative.acceptance_rate")
+    rates = {name: c.get("acceptance_rate") for name, c in cats.items()}
+    rates = {name: r for name, r in rates.items() if isinstance(r, (int, float)) and not isinstance(r, bool)}
+    if len(rates) < 2 or isinstance(overall, bool) or not isinstance(overall, (int, float)):
+        return lines + [""]
+    weak = sorted((r, name) for name, r in rates.items() if r < overall - WEAK_MARGIN)[:WEAK_MAX]
+    if not weak:
+        return lines + ["", f"No task type's acceptance is more than {WEAK_MARGIN:g} below the overall "
+                            f"{overall:.3f}.", ""]
+    named = [f"{name} ({r:.3f})" for r, name in weak]
+    listed = named[0] if len(named) == 1 else ", ".join(named[:-1]) + " and " + named[-1]
+    those = "that type" if len(weak) == 1 else "those types"
+    return lines + ["", f"The draft is weak on {listed}: acceptance more than {WEAK_MARGIN:g} below its overall "
+                        f"{overall:.3f}, so expect less speedup on prompts of {those}. Training the draft on "
+                        f"more prompts of {those} raises its acceptance there.", ""]
 
 
 def _head_section(info: CardInfo) -> list[str]:

@@ -4,11 +4,17 @@ topic lists in train/assets/prompt_templates.json.
     python -m specdec.train.prompt_templates          # regenerate train/assets/prompts_{train,heldout}.jsonl
     python -m specdec.train.prompt_templates --check  # exit 1 when the shipped files differ from the render
 
-Thirteen kinds of task. Every kind's topics are split once (seeded) into train topics and held-out topics, so the
-held-out prompts are about things the train prompts never mention, not merely rewordings of them. Records:
-{"prompt_id", "category", "messages": [user turns]}; a `follow-up` record has two user turns (the target answers the
-first, then the second after its own answer). None of this text comes from MT-Bench or Spec-Bench
-(tests/test_data.py checks). The shipped .jsonl files are what runs read; this module only makes them.
+Sixteen kinds of task: explanation, how-to, coding, math, creative-writing, rewriting, summarisation (short
+texts), classification, advice, brainstorming, comparison, practical-writing, follow-up, translation (short passages
+between English and French, German, Spanish, Italian or Portuguese, both ways), reading-comprehension (a question on
+a given text of 80-200 words) and long-summarisation (documents of 300-600 words, built from paragraph templates over
+a scenario's slots). Every kind's topics are split once (seeded) into train topics and held-out topics, so the
+held-out prompts are about things the train prompts never mention, not merely rewordings of them. The first
+thirteen kinds share one seeded stream; each later kind has its own, so adding a kind changes no other's prompts.
+Records: {"prompt_id", "category", "messages": [user turns]}; a `follow-up` record has two user turns (the target
+answers the first, then the second after its own answer). All of this text was written for this project: none comes
+from MT-Bench or Spec-Bench (tests/test_data.py checks) or any other benchmark's questions. The shipped .jsonl files
+are what runs read; this module only makes them.
 """
 
 from __future__ import annotations
@@ -27,8 +33,12 @@ EMBEDDED_TRAIN_PROMPTS = ASSETS / "prompts_train.jsonl"
 EMBEDDED_HELDOUT_PROMPTS = ASSETS / "prompts_heldout.jsonl"
 SEED = 20261130
 TRAIN_PER_KIND = 130
-HELDOUT_TOTAL = 150
+HELDOUT_TOTAL = 183  # an even share per kind, the remainder to the first kinds: 11 each, 12 for the first 7
 HELDOUT_TOPIC_FRACTION = 0.12
+# These kinds draw from one seeded stream, in this order (the set's first kinds); every later kind draws from its
+# own stream, seeded by (seed, kind), so adding a kind leaves every other kind's prompts unchanged.
+SHARED_STREAM_KINDS = ("explanation", "how-to", "coding", "math", "creative-writing", "rewriting", "summarisation",
+                       "classification", "advice", "brainstorming", "comparison", "practical-writing", "follow-up")
 
 Variants = list[list[str]]  # a topic's prompts, each a list of user turns
 
@@ -162,11 +172,38 @@ def _followup(d: dict, topic: str, rng: random.Random) -> Variants:
     return [[topic, f] for f in rng.sample(d["follow_ups"], 5)]
 
 
+def _translation(d: dict, topic: list, rng: random.Random) -> Variants:
+    """An English passage into four of the other languages; another language's passage into English (three
+    English requests and one written in the passage's own language)."""
+    src, text = topic
+    if src == "English":
+        return [[rng.choice(d["templates"]).format(src=src, dst=dst, t=text)] for dst in rng.sample(d["languages"], 4)]
+    asks = [[t.format(src=src, dst="English", t=text)] for t in rng.sample(d["templates"], 3)]
+    return asks + [[d["native_templates"][src].format(t=text)]]
+
+
+def _reading(d: dict, topic: dict, rng: random.Random) -> Variants:
+    return [[t.format(p=topic["text"], q=q)] for q in topic["questions"] for t in rng.sample(d["templates"], 2)]
+
+
+def _long_documents(d: dict, topic: dict, rng: random.Random) -> Variants:
+    """One scenario written up as each kind of document (paragraph templates over the scenario's slots; a slot
+    capitalised, {Slot}, starts a sentence), each asked for with two summary requests."""
+    slots = {**topic, **{k[0].upper() + k[1:]: v[0].upper() + v[1:] for k, v in topic.items()}}
+    out = []
+    for kind, paragraphs in d["documents"].items():
+        doc = "\n\n".join(p.format(**slots) for p in paragraphs)
+        out += [[t.format(doc=doc, kind=kind, audience=topic["audience"])] for t in rng.sample(d["templates"], 2)]
+    return out
+
+
 def _topics(kind: str, d: dict) -> list:
     if kind == "coding":
         return [["spec", s] for s in d["specs"]] + [["bug", b] for b in d["bugs"]] + [["sql", q] for q in d["sql"]]
     if kind == "math":
         return d["problems"]
+    if kind == "translation":
+        return d["passages"]
     if kind == "classification":
         return ([["review", p] for p in d["products"]] + [["headline", h] for h in d["headlines"]]
                 + [["message", m] for m in d["messages"]] + [["entities", p] for p in d["places"]]
@@ -178,7 +215,8 @@ RENDERERS: dict[str, Callable[[dict, object, random.Random], Variants]] = {
     "explanation": _explanation, "how-to": _each_template, "coding": _coding, "math": _math,
     "creative-writing": _creative, "rewriting": _each_template, "summarisation": _each_template,
     "classification": _classification, "advice": _each_template, "brainstorming": _ideas, "comparison": _compare,
-    "practical-writing": _each_template, "follow-up": _followup,
+    "practical-writing": _each_template, "follow-up": _followup, "translation": _translation,
+    "reading-comprehension": _reading, "long-summarisation": _long_documents,
 }
 
 # --------------------------------------------------------------------------------------------------------
@@ -211,16 +249,18 @@ def _records(prefix: str, kind: str, width: int, prompts: Variants) -> list[dict
 def build_prompt_sets(seed: int = SEED) -> tuple[list[dict], list[dict]]:
     """(train, heldout) records, deterministic for a seed; held-out topics never appear in train."""
     kinds = json.loads(TEMPLATES.read_text(encoding="utf-8"))["kinds"]
-    rng = random.Random(seed)
-    train, heldout_pool = [], {}
+    shared = random.Random(seed)
+    share, extra = divmod(HELDOUT_TOTAL, len(kinds))  # an even share of the held-out budget per kind
+    train, heldout = [], []
     seen: set[str] = set()
-    for kind, data in kinds.items():
+    for k, (kind, data) in enumerate(kinds.items()):
+        rng = shared if kind in SHARED_STREAM_KINDS else random.Random(f"{seed}:{kind}")
         topics, render = _topics(kind, data), RENDERERS[kind]
         order = list(range(len(topics)))
         rng.shuffle(order)
         n_held = max(2, round(HELDOUT_TOPIC_FRACTION * len(topics)))
 
-        def groups(idx: list[int], render=render, data=data, topics=topics) -> list[Variants]:
+        def groups(idx: list[int], render=render, data=data, topics=topics, rng=rng) -> list[Variants]:
             out = []
             for i in idx:
                 variants = render(data, topics[i], rng)
@@ -229,12 +269,7 @@ def build_prompt_sets(seed: int = SEED) -> tuple[list[dict], list[dict]]:
             return out
 
         train += _records("", kind, 4, _round_robin(groups(order[n_held:]), TRAIN_PER_KIND, seen))
-        heldout_pool[kind] = _round_robin(groups(order[:n_held]), HELDOUT_TOTAL, seen)
-    # An even share of the held-out budget per kind (the remainder to the first kinds).
-    share, extra = divmod(HELDOUT_TOTAL, len(kinds))
-    heldout = []
-    for k, (kind, pool) in enumerate(heldout_pool.items()):
-        heldout += _records("heldout-", kind, 3, pool[: share + (k < extra)])
+        heldout += _records("heldout-", kind, 3, _round_robin(groups(order[:n_held]), share + (k < extra), seen))
     return _interleave(train), _interleave(heldout)
 
 
