@@ -61,7 +61,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "peer", help="bench/peer.py's data and runs")
     parser.add_argument("--levers", nargs="+", default=DEFAULT_LEVERS, choices=list(LEVERS))
     parser.add_argument("--also", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="a combined run: these TrainConfig keys (JSON values) at once, e.g. optimizer='\"muon\"'")
+                        help="a combined run: these TrainConfig keys at once, e.g. optimizer=muon ttt_decay=1.0")
     parser.add_argument("--steps", type=int, default=160, help="optimizer steps of every run")
     parser.add_argument("--minutes", type=float, default=0.0, help="instead: every run trains this many minutes")
     parser.add_argument("--batch", type=int, default=4)
@@ -72,6 +72,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--parallel", type=int, default=2)
     parser.add_argument("--name", default="levers", help="results page name")
     return parser.parse_args()
+
+
+def as_value(text: str):
+    """A command-line value: JSON where it parses (numbers, true, lists), else the text itself."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
 
 
 def child(spec: dict) -> None:
@@ -124,7 +132,7 @@ def main() -> None:
     base["weight_decay"] = 0.0
     runs = {name: LEVERS[name] for name in args.levers}
     if args.also:
-        runs["combined"] = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.also)}
+        runs["combined"] = {k: as_value(v) for k, v in (item.split("=", 1) for item in args.also)}
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
         outcome = dict(zip(runs, pool.map(lambda n: train(args, n, runs[n], base), runs)))
     tokenizer = load_tokenizer(peer.TARGET)

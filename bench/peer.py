@@ -518,8 +518,11 @@ def tensor_names(folder: Path) -> set[str]:
 # ---- the bench --------------------------------------------------------------------------------------------------
 def settings_text(name: str, s: dict) -> str:
     if name in SPECDEC_RUNS:
-        return (f"AdamW lr {s['learning_rate']:g}, wd {s['weight_decay']:g}, warm-up {s['warmup_steps']}, cosine to 0; "
-                f"ttt {s['ttt_steps']}, decay {s['ttt_decay']:g}; {s['loss']}; head "
+        optimizer = "Muon (2-D) + AdamW" if s.get("optimizer") == "muon" else "AdamW"
+        return (f"{optimizer} lr {s['learning_rate']:g}, wd {s['weight_decay']:g}, warm-up {s['warmup_steps']}, "
+                f"{s.get('lr_schedule', 'cosine')} to 0; ttt {s['ttt_steps']}, decay {s['ttt_decay']:g}; {s['loss']}; "
+                f"layer {s.get('layer_init', 'random')}, fc {s.get('fc_init', 'random')}, norm_before_residual "
+                f"{str(s.get('norm_before_residual', False)).lower()}; head "
                 f"{'frozen (freeze_head=true)' if s.get('freeze_head') else 'trained'}")
     opt = ("Muon (2-D, lr {lr:g}, wd {muon_weight_decay:g}) + AdamW (wd {weight_decay:g})" if s["optimizer"] == "muon"
            else "AdamW lr {lr:g}, wd {weight_decay:g}").format(**s)
@@ -566,7 +569,8 @@ def run_settings(args, train: dict, data: Path, heldout: Path) -> tuple[dict, di
         "log_every": 20, "eval_every": 0, "save_every": 0, "eval_samples": 8, "eval_k": KS, "best_k": 3,
         "states": "recorded", "data_workers": 0,  # both loops read their states in-process
         **{k: train[k] for k in ("eagle_aux_layer_ids", "draft_vocab_size", "ttt_steps", "ttt_decay", "teacher",
-                                 "loss", "learning_rate", "warmup_steps") if k in train}}
+                                 "loss", "learning_rate", "warmup_steps", "optimizer", "lr_schedule", "layer_init",
+                                 "fc_init", "norm_before_residual") if k in train}}
     settings = {**{run: {"weight_decay": 0.0, **specdec_cfg, **extra} for run, extra in SPECDEC_RUNS.items()},
                 "peer-defaults": PEER_DEFAULTS, "peer-ours": peer_ours(train)}
     return specdec_cfg, settings

@@ -148,6 +148,23 @@ def test_online_derived_run_writes_final_best_and_checkpoints(workspace, tmp_pat
     assert steps == [1, 2, 3]
 
 
+def test_training_stops_when_held_out_tau_stops_rising(workspace, tmp_path):
+    """stop_after_flat_evals: two evaluations in a row without the (here unreachable) gain end the run there, with
+    no second evaluation of the last step; with min_tau_gain 0 a 6-step run is not stopped."""
+    cfg = _cfg(workspace, tmp_path / "flat", max_steps=20, eval_every=2, save_every=0, stop_after_flat_evals=2,
+               min_tau_gain=100.0)
+    distill.run(cfg)
+    summary = json.loads((tmp_path / "flat" / "train_summary.json").read_text())
+    assert summary["stopped_by"] == "held-out plateau" and summary["steps"] == 4
+    steps = [json.loads(line)["step"] for line in (tmp_path / "flat" / "eval.jsonl").read_text().splitlines()]
+    assert steps == [0, 2, 4]
+    distill.run(dataclasses.replace(cfg, output_dir=str(tmp_path / "on"), max_steps=6, min_tau_gain=0.0))
+    summary = json.loads((tmp_path / "on" / "train_summary.json").read_text())
+    assert summary["stopped_by"] == "max_steps" and summary["steps"] == 6
+    with pytest.raises(ValueError, match="set eval_every"):
+        _cfg(workspace, tmp_path / "x", eval_every=0, stop_after_flat_evals=2)
+
+
 def test_max_minutes_stops_early_with_the_schedule_ending_there(workspace, tmp_path, monkeypatch):
     """A clock that advances one second a reading: the budget binds long before max_steps, and the learning
     rate reaches zero at the step training stopped (the schedule was re-aimed, not cut)."""

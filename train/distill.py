@@ -98,6 +98,9 @@ class Distiller:
         self.ckpt_root = self.out / "checkpoints"
         self.best: dict[str, Any] = {"tau": -1.0, "step": None}
         self.start_step = 0
+        self.flat_evals = 0  # evaluations in a row that did not raise the best tau by min_tau_gain
+        self.evaluated_at: int | None = None
+        self.stopped_by = "max_steps"
 
     def setup_data(self) -> None:
         """The training and held-out splits, the tokenizer and the batch schedule."""
@@ -162,6 +165,7 @@ class Distiller:
             self.accelerator.load_state(str(ckpt))
             state = json.loads((ckpt / "trainer_state.json").read_text())
             self.start_step, self.best = state["step"], state["best"]
+            self.flat_evals = state.get("flat_evals", 0)
             self.budget.resume(state.get("train_seconds", 0.0))
             log.info("resumed from %s at step %d", ckpt, self.start_step)
         self.schedule_end = self.scheduler.lr_lambdas[0]
@@ -247,6 +251,9 @@ class Distiller:
                 self.tracker.log({"eval/alpha": metrics["alpha"], "eval/agreement": metrics["agreement"],
                                   **{f"eval/tau@{k}": v for k, v in metrics["tau"].items()},
                                   **{f"eval/top{n}@1": v for n, v in top_n[0].items()}}, step=step)
+        if step > 0:
+            self.flat_evals = 0 if tau >= self.best["tau"] + cfg.min_tau_gain else self.flat_evals + 1
+        self.evaluated_at = step
         if step > 0 and tau > self.best["tau"]:
             self.best.update(tau=tau, step=step, metrics=metrics)
             export_draft(self.accelerator, self.model, self.tokenizer, self.out / "best")
@@ -255,7 +262,8 @@ class Distiller:
         self.budget.note_eval(time.perf_counter() - started)
 
     def save(self, step: int) -> None:
-        state = {"step": step, "best": _jsonable(self.best), "train_seconds": self.budget.spent()}
+        state = {"step": step, "best": _jsonable(self.best), "train_seconds": self.budget.spent(),
+                 "flat_evals": self.flat_evals}
         save_checkpoint(self.accelerator, self.ckpt_root, step, state, self.cfg.keep_checkpoints)
 
     def aim_end(self, step: int, end: int) -> int:
@@ -274,7 +282,7 @@ class Distiller:
         if self.main:
             summary = {"final": str(final), "steps": step, "best": _jsonable(self.best), "device": str(self.device),
                        "processes": self.world, "mixed_precision": self.accelerator.mixed_precision,
-                       "stopped_by": "max_minutes" if end < cfg.max_steps else "max_steps",
+                       "stopped_by": self.stopped_by,
                        "train_minutes": self.budget.spent() / 60, "config": to_dict(cfg)}
             (self.out / "train_summary.json").write_text(json.dumps(summary, indent=1))
             log.info("final draft: %s (best tau(k=%d) %.3f at step %s -> %s)", final, cfg.best_k, self.best["tau"],
@@ -315,13 +323,20 @@ class Distiller:
                 self.log_window(step, window, bar)
             if cfg.eval_every and step % cfg.eval_every == 0 and step != end:
                 self.evaluate(step)
+                if cfg.stop_after_flat_evals and self.flat_evals >= cfg.stop_after_flat_evals:
+                    self.stopped_by = "held-out plateau"
+                    log.info("stopped at step %d: held-out tau(k=%d) rose less than %g over the last %d "
+                             "evaluations (stop_after_flat_evals)", step, cfg.best_k, cfg.min_tau_gain,
+                             self.flat_evals)
+                    break
             if cfg.save_every and step % cfg.save_every == 0 and step != end:
                 self.save(step)
         bar.close()
-        if end < cfg.max_steps:
+        if end < cfg.max_steps and self.stopped_by == "max_steps":
+            self.stopped_by = "max_minutes"
             log.info("stopped at step %d of %d: max_minutes=%s reached (%.1f min)", step, cfg.max_steps,
                      cfg.max_minutes, self.budget.spent() / 60)
-        if step > self.start_step or self.start_step == end:
+        if (step > self.start_step or self.start_step == end) and self.evaluated_at != step:
             self.evaluate(step)
         self.save(step)
         final = self.export(step, end)

@@ -106,6 +106,10 @@ class TrainConfig:
     eval_batch_size: int = 8
     eval_k: list[int] = field(default_factory=lambda: list(range(1, 9)))
     best_k: int = 4
+    # Stop once this many evaluations in a row raised the best held-out tau(best_k) by less than min_tau_gain
+    # (0 = never: only max_steps or max_minutes stop training)
+    stop_after_flat_evals: int = 0
+    min_tau_gain: float = 0.01
     save_every: int = 100  # 0 = only at the end
     keep_checkpoints: int = 2
     resume_from: str = ""  # "" | latest | a checkpoint folder
@@ -135,8 +139,12 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         check_minutes(self.max_minutes)
-        if min(self.warmup_steps, self.eval_every, self.save_every, self.data_workers) < 0:
-            raise ValueError("warmup_steps, eval_every, save_every and data_workers must be >= 0")
+        if min(self.warmup_steps, self.eval_every, self.save_every, self.data_workers, self.stop_after_flat_evals,
+               self.min_tau_gain) < 0:
+            raise ValueError("warmup_steps, eval_every, save_every, data_workers, stop_after_flat_evals and "
+                             "min_tau_gain must be >= 0")
+        if self.stop_after_flat_evals and not self.eval_every:
+            raise ValueError("stop_after_flat_evals needs evaluations during training: set eval_every (e.g. 100)")
         if self.draft_vocab_size < -1:
             raise ValueError(f"draft_vocab_size must be N >= 1, 0 (the full vocabulary) or -1 (auto), got "
                              f"{self.draft_vocab_size}")
