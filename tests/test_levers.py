@@ -9,6 +9,8 @@ import json
 import pytest
 import torch
 from conftest import ragged_prompts, save_tiny_world, tiny_llama
+from test_budget import _lrs
+from test_budget import _optimizer as _sgd
 from transformers import get_linear_schedule_with_warmup
 
 from specdec import speculative_generate, target_generate
@@ -19,19 +21,6 @@ from specdec.train.budget import LinearToEnd
 
 VOCAB = 128
 LAYERS = [1, 2, 3]
-
-
-def _lrs(scheduler, steps: int) -> list[float]:
-    out = []
-    for _ in range(steps):
-        out.append(scheduler.get_last_lr()[0])
-        scheduler.optimizer.step()
-        scheduler.step()
-    return out
-
-
-def _sgd():
-    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
 
 
 def test_the_linear_schedule_is_transformers_and_stays_at_zero_past_its_end():
