@@ -363,7 +363,7 @@ def _start_as_layer(layer: Eagle3Layer, source: nn.Module) -> None:
     for name in ("q_proj", "k_proj", "v_proj"):
         getattr(layer.self_attn, name).weight[:, hidden:].copy_(getattr(source.self_attn, name).weight)
     layer.self_attn.o_proj.weight.copy_(source.self_attn.o_proj.weight)
-    layer.mlp.load_state_dict({k: v for k, v in source.mlp.state_dict().items()})
+    layer.mlp.load_state_dict(source.mlp.state_dict())
     layer.hidden_norm.weight.copy_(source.input_layernorm.weight)
     layer.post_attention_layernorm.weight.copy_(source.post_attention_layernorm.weight)
 
