@@ -40,10 +40,12 @@ from specdec.train.prompt_templates import EMBEDDED_TRAIN_PROMPTS
 
 
 def pick_prompts(n: int) -> list[dict]:
-    """n prompts spread evenly over the embedded train set (which is grouped by kind)."""
-    prompts = read_prompts(EMBEDDED_TRAIN_PROMPTS)
-    step = max(1, len(prompts) // n)
-    chosen = prompts[::step][:n]
+    """n prompts of the embedded train set, one of each kind in turn (whatever order the set keeps them in)."""
+    kinds: dict[str, list] = {}
+    for p in read_prompts(EMBEDDED_TRAIN_PROMPTS):
+        kinds.setdefault(p.category, []).append(p)
+    dealt = [group[i] for i in range(max(map(len, kinds.values()))) for group in kinds.values() if i < len(group)]
+    chosen = dealt[:n]
     return [{"prompt_id": p.prompt_id, "category": p.category, "messages": p.messages[:1]} for p in chosen]
 
 

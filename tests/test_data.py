@@ -103,6 +103,8 @@ def test_config_validation():
         DataConfig(backend="vllm", dtype="float64")
     with pytest.raises(ValueError, match="vllm_args must be a mapping"):
         DataConfig(vllm_args="enforce_eager")
+    with pytest.raises(ValueError, match="batch_tokens must be >= 0"):
+        DataConfig(batch_tokens=-1)
 
 
 def test_conversation_split():
@@ -235,6 +237,36 @@ def test_features_held_in_memory_are_one_generation_batch(tiny_target, tmp_path,
             torch.testing.assert_close(f.float(), full_features(model, ids, [1])[:-1].float(), atol=2e-3, rtol=8e-3)
             checked += 1
     assert checked == 12
+
+
+def test_batches_keep_to_the_padded_token_budget(tiny_target, tmp_path, monkeypatch):
+    """batch_tokens bounds each generate() call's rows x (longest prompt + max_new_tokens), one prompt at least,
+    and batch_size its rows; the rows are the same as from batches bounded by batch_size alone."""
+    from specdec.train.data.backend import _batches
+
+    cfg = DataConfig(max_new_tokens=10, batch_size=4, batch_tokens=60)
+    lengths = {0: 40, 1: 12, 2: 11, 3: 10, 4: 5, 5: 5, 6: 5, 7: 5, 8: 5}
+    prompts = {i: [0] * n for i, n in lengths.items()}
+    assert _batches(list(prompts), prompts, 4, cfg) == [[0], [1, 2], [3, 4, 5], [6, 7, 8]]
+    assert _batches(list(prompts), prompts, 4, dataclasses.replace(cfg, batch_tokens=0)) == [
+        [0, 1, 2, 3], [4, 5, 6, 7], [8]]
+    assert _batches(list(prompts), prompts, None, cfg) == [list(prompts)]  # an engine that batches itself
+
+    calls = []
+    real = gen.TransformersBackend.generate
+
+    def generate(self, batch, generator):
+        calls.append((len(batch), max(map(len, batch)) + self.cfg.max_new_tokens))
+        return real(self, batch, generator)
+
+    monkeypatch.setattr(gen.TransformersBackend, "generate", generate)
+    prompts_file = _write_prompts(tmp_path / "p.jsonl", multi_turn=False)
+    run(_cfg(tiny_target, prompts_file, tmp_path / "budget", batch_size=4, shard_size=12, batch_tokens=60))
+    assert all(rows == 1 or rows * width <= 60 for rows, width in calls) and max(r for r, _ in calls) > 1
+    assert any(rows < 4 for rows, _ in calls[:-1])  # the budget, not batch_size, cut some batch
+    run(_cfg(tiny_target, prompts_file, tmp_path / "rows", batch_size=4, shard_size=12, batch_tokens=0))
+    strip = [{k: r[k] for k in ("prompt_id", "input_ids")} for r in _rows(tmp_path / "budget")]
+    assert strip == [{k: r[k] for k in ("prompt_id", "input_ids")} for r in _rows(tmp_path / "rows")]
 
 
 def test_feature_spool_writes_safetensors_in_the_order_asked(tmp_path):

@@ -35,9 +35,9 @@ process s % num_processes. A shard is written to a temporary file and renamed, t
 so a shard is either complete and listed or absent/ignored: a rerun redoes exactly the missing ones. Its features
 are written as each generation batch is done (to a spool beside it, assembled into its features file at the end),
 so a process holds one batch's features, not a shard's.
-Each shard samples from its own generator seeded by (seed, shard), so for a given batch_size the result does
-not depend on where a run was interrupted or on the number of processes (greedy data does not depend on
-batch_size either, up to floating-point near-ties).
+Each shard samples from its own generator seeded by (seed, shard), so for a given batch_size and batch_tokens
+the result does not depend on where a run was interrupted or on the number of processes (greedy data does not
+depend on either, up to floating-point near-ties).
 
 The package, one job a module (backend.py declares the interface every backend implements):
 

@@ -107,6 +107,23 @@ def _completion_row(item: Item, turn: int, prompt: list[int], comp: Completion, 
     return row
 
 
+def _batches(order: list[int], prompts: dict[int, list[int]], rows: int | None, cfg: DataConfig) -> list[list[int]]:
+    """`order` cut into generate() calls: at most `rows` prompts each (None: one call) and, for a backend that
+    batches per call, at most cfg.batch_tokens padded positions, one prompt at least."""
+    if rows is None:
+        return [order] if order else []
+    batches: list[list[int]] = []
+    for i in order:
+        if batches:
+            chunk = batches[-1]
+            width = max(len(prompts[j]) for j in (*chunk, i)) + cfg.max_new_tokens
+            if len(chunk) < rows and (not cfg.batch_tokens or (len(chunk) + 1) * width <= cfg.batch_tokens):
+                chunk.append(i)
+                continue
+        batches.append([i])
+    return batches
+
+
 def generate_shard(items: list[Item], backend: GenerationBackend, tokenizer, cfg: DataConfig, seed: int,
                    context_limit: int | None, progress=None,
                    features: FeatureSpool | None = None) -> tuple[list[dict], dict]:
@@ -121,9 +138,7 @@ def generate_shard(items: list[Item], backend: GenerationBackend, tokenizer, cfg
     while active:
         prompts = _turn_prompts(items, histories, active, turn, tokenizer, cfg, context_limit, counts)
         order = sorted(prompts, key=lambda i: -len(prompts[i])) if cfg.sort_by_length else list(prompts)
-        step = backend.prompts_per_call or max(len(order), 1)
-        for start in range(0, len(order), step):
-            chunk = order[start: start + step]
+        for chunk in _batches(order, prompts, backend.prompts_per_call, cfg):
             for i, comp in zip(chunk, backend.generate([prompts[i] for i in chunk], generator)):
                 rows.append(_completion_row(items[i], turn, prompts[i], comp, cfg, features))
                 counts["examples"] += 1

@@ -15,7 +15,7 @@ RESPONSES = ("target", "dataset")
 VLLM_STATES = ("auto", "extract", "prefill")
 VLLM_DTYPES = ("float32", "bfloat16", "float16")  # vLLM has no float64
 # Settings that do not change what is generated; a resumed run may change them.
-_RESUMABLE_KEYS = ("batch_size", "device", "output_dir", "overwrite", "max_minutes", "vllm_python", "vllm_states")
+_RESUMABLE_KEYS = ("batch_size", "batch_tokens", "device", "output_dir", "overwrite", "max_minutes", "vllm_python", "vllm_states")
 # Settings added later, left out of the fingerprint at their defaults: folders made before they existed still resume.
 _LATER_DEFAULTS = {"responses": "target"}
 
@@ -43,6 +43,9 @@ class DataConfig:
     seed: int = 0
     max_new_tokens: int = 256
     batch_size: int = 16
+    # backend=transformers: also at most this many padded positions (rows x (longest prompt + max_new_tokens)) a
+    # batch, so that a few long prompts neither pad a whole batch to their length nor outgrow memory; 0 = no limit
+    batch_tokens: int = 16384
     sort_by_length: bool = True  # batches of similar lengths inside each shard (less padding)
     # Deal the work list to shards in a seeded random order (the longest item first), so that any run of
     # finished shards is a uniform sample of the prompt set: a run stopped by max_minutes keeps every source and
@@ -88,6 +91,8 @@ class DataConfig:
         for key in positive:
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.batch_tokens < 0:
+            raise ValueError(f"batch_tokens must be >= 0 (0 = only batch_size bounds a batch), got {self.batch_tokens}")
         if self.top_logprobs < 0:
             raise ValueError(f"top_logprobs must be >= 0 (0 = off), got {self.top_logprobs}")
         if self.responses == "dataset" and self.num_samples != 1:
