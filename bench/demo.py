@@ -53,6 +53,11 @@ def demo_section(out: Path) -> str:
     return "\n".join(lines)
 
 
+def checkout_relative(configs: dict) -> str:
+    """vLLM's speculative configs as JSON, the draft's folder named relative to the checkout (no machine paths)."""
+    return json.dumps(configs).replace(str(Path.cwd().resolve()) + "/", "")
+
+
 def vllm_section(out: Path, prompts: int, max_new_tokens: int) -> str:
     """`specdec eval engine=specdec,vllm` on the demo's published draft: one report, both engines."""
     report = json.loads((out / "eval" / "report.json").read_text())
@@ -64,7 +69,7 @@ def vllm_section(out: Path, prompts: int, max_new_tokens: int) -> str:
     both = run(cfg)
     engine, s, b = both["engine"], both["speculative"], both["baseline"]
     lines = ["## The published draft in vLLM", "",
-             f"vLLM {engine['version']} ({engine['distribution']}), `{json.dumps(engine['speculative_configs'])}`, "
+             f"vLLM {engine['version']} ({engine['distribution']}), `{checkout_relative(engine['speculative_configs'])}`, "
              f"the first {prompts} held-out prompts, {max_new_tokens} new tokens, greedy, float32; each level "
              "that many clients in a closed loop (continuous batching), pairs target-only / speculative:", "",
              "| concurrency | method | speedup | tokens/s | TTFT p50 ms | TPOT p50 ms | acceptance | tau | mismatches |",

@@ -44,6 +44,7 @@ LEVERS: dict[str, dict] = {
     "muon": {"optimizer": "muon"},
     "linear": {"lr_schedule": "linear"},
     "layer-from-target": {"layer_init": "target"},
+    "layer-from-target-seed1": {"layer_init": "target", "seed": 1},
     "fc-last-state": {"fc_init": "last_state"},
     "lr-1e-3": {"learning_rate": 1e-3},
     "lr-4e-3": {"learning_rate": 4e-3},
@@ -52,7 +53,7 @@ LEVERS: dict[str, dict] = {
     "ttt-3": {"ttt_steps": 3},
     "ttt-5": {"ttt_steps": 5},
 }
-DEFAULT_LEVERS = [name for name in LEVERS if not name.startswith("ttt-")]
+DEFAULT_LEVERS = [name for name in LEVERS if not name.startswith("ttt-") and name != "layer-from-target-seed1"]
 
 
 def parse_args() -> argparse.Namespace:

@@ -55,9 +55,9 @@ class DemoConfig:
     eval_num_prompts: int | None = None  # default: 8 with --quick, else 24
     fresh: bool = False  # ignore completed stages and redo everything
     minutes: float = 0.0  # time budget of the whole demo; 0 = 45, or 5 with --quick
-    # Data generation starts no shard that would end past this share of the budget. Data is the scarcer: an
-    # EAGLE-3 draft on recorded states trains faster than the target decodes its data.
-    data_share: float = 0.6
+    # Data generation starts no shard that would end past this share of the budget, so that training, where the
+    # draft was still improving when the budget ended, gets at least the rest less the evaluation.
+    data_share: float = 1 / 3
     plan: bool = False  # print the recipe, the assets each stage reads and where it writes; run nothing
 
     def __post_init__(self) -> None:
