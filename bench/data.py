@@ -49,6 +49,13 @@ def pick_prompts(n: int) -> list[dict]:
     return [{"prompt_id": p.prompt_id, "category": p.category, "messages": p.messages[:1]} for p in chosen]
 
 
+def same_rows(run: dict, other: dict) -> tuple[list, bool]:
+    """The ids of the rows two runs completed alike, and whether those rows' states agree to bf16 rounding."""
+    same = [k for k in run["rows"] if run["rows"][k] == other["rows"].get(k)]
+    return same, all(torch.allclose(run["states"][k].float(), other["states"][k].float(), atol=2e-2, rtol=1e-2)
+                     for k in same)
+
+
 def baseline(target: str, records: list[dict], max_new_tokens: int) -> tuple[dict[str, list[int]], int, float]:
     """Unbatched `model.generate`, one prompt at a time: completions, generated tokens, seconds."""
     model, tok = load_model(target, dtype="float32", device="cpu"), load_tokenizer(target)

@@ -20,7 +20,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
 import yaml
 
 from specdec.models import EMBEDDED_TARGET, load_model
@@ -28,7 +27,7 @@ from specdec.train.data import DataConfig, load_generated, recorded_features, ru
 from specdec.train.data.backend import _batches
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from data import _load, pick_prompts  # noqa: E402
+from data import _load, pick_prompts, same_rows  # noqa: E402
 from results import header, write  # noqa: E402
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-135m-eagle3.yaml"
@@ -87,9 +86,7 @@ def main() -> None:
     for r in results:
         other = next(o for o in results if o["rep"] == r["rep"] and o["batch_tokens"] != r["batch_tokens"])
         unbounded = r if r["batch_tokens"] == 0 else other
-        same = [k for k in r["rows"] if r["rows"][k] == other["rows"].get(k)]
-        close = all(torch.allclose(r["states"][k].float(), other["states"][k].float(), atol=2e-2, rtol=1e-2)
-                    for k in same)
+        same, close = same_rows(r, other)
         lines.append(f"| {r['rep']} | {r['batch_tokens']} | {r['seconds']:.1f} | {r['tokens']} | "
                      f"{r['tokens'] / r['seconds']:.1f} | {r['padded']} | {unbounded['seconds'] / r['seconds']:.2f}x | "
                      f"{len(same)}/{len(r['rows'])} | {close} | {r['load']} |")

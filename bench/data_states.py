@@ -20,13 +20,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
 from specdec.models import EMBEDDED_TARGET, load_model
 from specdec.train.data import DataConfig, load_generated, recorded_features, run
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from data import _load, _vllm_version, pick_prompts  # noqa: E402
+from data import _load, _vllm_version, pick_prompts, same_rows  # noqa: E402
 from results import write  # noqa: E402
 
 
@@ -76,9 +74,7 @@ def main() -> None:
              "| same completions | states equal (bf16) | load before |", "|---:|---|---:|---:|---:|---|---:|---|---|"]
     for r in results:
         other = next(o for o in results if o["rep"] == r["rep"] and o["way"] != r["way"])
-        same = [k for k in r["rows"] if r["rows"][k] == other["rows"].get(k)]
-        close = all(torch.allclose(r["states"][k].float(), other["states"][k].float(), atol=2e-2, rtol=1e-2)
-                    for k in same)
+        same, close = same_rows(r, other)
         share = f"{r['prefill']:.1f} s of {r['seconds']:.1f} s ({r['prefill'] / r['seconds']:.0%})" \
             if r["way"] == "prefill" else "-"
         lines.append(f"| {r['rep']} | {r['way']} | {r['tokens']} | {1e3 * r['seconds'] / r['tokens']:.1f} | "
