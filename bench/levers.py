@@ -53,7 +53,9 @@ LEVERS: dict[str, dict] = {
     "ttt-3": {"ttt_steps": 3},
     "ttt-5": {"ttt_steps": 5},
 }
-DEFAULT_LEVERS = [name for name in LEVERS if not name.startswith("ttt-") and name != "layer-from-target-seed1"]
+# Run only when named: the TTT table wants one wall-clock budget (--minutes), the second seed is a noise check.
+NAMED_ONLY = {"ttt-1", "ttt-3", "ttt-5", "layer-from-target-seed1"}
+DEFAULT_LEVERS = [name for name in LEVERS if name not in NAMED_ONLY]
 
 
 def parse_args() -> argparse.Namespace:

@@ -113,14 +113,16 @@ def _batches(order: list[int], prompts: dict[int, list[int]], rows: int | None, 
     if rows is None:
         return [order] if order else []
     batches: list[list[int]] = []
+    width = 0  # the last batch's padded width: its longest prompt + max_new_tokens
     for i in order:
-        if batches:
-            chunk = batches[-1]
-            width = max(len(prompts[j]) for j in (*chunk, i)) + cfg.max_new_tokens
-            if len(chunk) < rows and (not cfg.batch_tokens or (len(chunk) + 1) * width <= cfg.batch_tokens):
-                chunk.append(i)
-                continue
-        batches.append([i])
+        grown = max(width, len(prompts[i]) + cfg.max_new_tokens)
+        if batches and len(batches[-1]) < rows and (
+                not cfg.batch_tokens or (len(batches[-1]) + 1) * grown <= cfg.batch_tokens):
+            batches[-1].append(i)
+            width = grown
+        else:
+            batches.append([i])
+            width = len(prompts[i]) + cfg.max_new_tokens
     return batches
 
 
