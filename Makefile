@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup vllm-env demo demo-quick wheel-demo test test-fast lint bench clean
+.PHONY: setup vllm-env demo demo-quick wheel-demo test test-fast test-bf16-on test-bf16-off lint bench gpu-check clean
 
 $(BIN)/specdec: pyproject.toml
 	bash scripts/setup.sh $(VENV)
@@ -37,11 +37,24 @@ test: setup vllm-env
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"
 
+# The fast tests with specdec's native-bf16 choices (mixed_precision=auto, dtype=bf16-if-native) forced on or off
+# (SPECDEC_CPU_BF16, docs/usage.md): a CPU of either kind (AVX512-BF16/AMX or AVX2) then runs the other's paths.
+test-bf16-on: setup
+	SPECDEC_CPU_BF16=on $(BIN)/python -m pytest -q -m "not slow"
+
+test-bf16-off: setup
+	SPECDEC_CPU_BF16=off $(BIN)/python -m pytest -q -m "not slow"
+
 lint: setup
 	$(BIN)/ruff check .
 
 bench: setup
 	$(BIN)/python bench/decode.py
+
+# The prepared GPU check (bench/gpu_check.py): 8B shapes on a CUDA device, tiny ones elsewhere; a results page in
+# docs/results/. A lent GPU machine first needs the wheels of scripts/gpu_wheels.sh (docs/usage.md, "Checking on a GPU").
+gpu-check: setup
+	$(BIN)/python bench/gpu_check.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) outputs .pytest_cache

@@ -45,7 +45,7 @@ def demo_section(out: Path) -> str:
              f"- eval ({timings['eval_s'] / 60:.1f} min): {report['recommended']['proposal']}, tokens/s "
              f"{b['tokens_per_s']:.2f} target alone / {s['tokens_per_s']:.2f} speculative, speedup "
              f"{report['speedup']:.3f}, acceptance {s['acceptance_rate']:.3f}, tau {s['mean_accepted_tokens']:.3f},"
-             f" per position {[round(x, 3) for x in s['per_position_acceptance']]}",
+             f" per position {[x if x is None else round(x, 3) for x in s['per_position_acceptance']]}",
              f"- memory: {json.dumps(report.get('memory', {}))}"]
     calib = report.get("choose_k")
     if calib:

@@ -43,7 +43,7 @@ def sweep_table(report: dict) -> tuple[str, dict, dict]:
         nodes = r.get("nodes_per_round")
         lines.append(f"| {r['proposal']} | {r['speedup']:.3f} | {r['baseline_tokens_per_s']:.2f} / "
                      f"{r['speculative_tokens_per_s']:.2f} | {r['mean_accepted_tokens']:.3f} | "
-                     f"{r['acceptance_rate']:.3f} | {[round(a, 3) for a in r['per_position_acceptance']]} | "
+                     f"{r['acceptance_rate']:.3f} | {[a if a is None else round(a, 3) for a in r['per_position_acceptance']]} | "
                      f"{'' if nodes is None else f'{nodes:.1f}'} | {r['v']:.3f} | "
                      f"{'yes' if r['equivalence_passed'] else 'NO'} ({r['mismatches']} mismatches) |")
     chains = [r for r in rows if r["tree"] is None]

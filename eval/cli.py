@@ -11,16 +11,11 @@ from specdec.eval.verify import VerifyConfig, format_result, run_verify
 
 log = logging.getLogger(__name__)
 
-EVAL_HELP = """usage: specdec eval --target T --draft D [--prompts FILE] [--num-draft-tokens 1,2,4] [--batch-size 1,4]
-                    [--max-new-tokens N] [--temperature X] [--top-k K] [--top-p P] --out DIR
-                    [--config recipes/X.yaml] [key=value ...]
-
-Decodes the prompts target-only and speculatively (alternating, one process) and writes DIR/report.json,
-DIR/report.md, PNG plots and DIR/samples.jsonl. Lists sweep k and the batch size; the report keeps the
-recommended configuration at the top level and adds a `sweep` table. Decision thresholds (all must hold for
-`enable`): min_acceptance_rate=0.5 min_speedup=1.1 max_memory_overhead=0.2 (beyond the draft's weights).
-Other keys: seed, warmup, num_prompts, use_chat_template, device, dtype, threads, recommend_by
-(speedup|tokens_per_s|latency_p50|latency_p95), plot_format, cost_repeats, equivalence_samples, report_to.
+# The prose above the keys of `specdec eval --help` / `specdec verify --help` (specdec/cli.py builds the help).
+EVAL_INTRO = """Decodes the prompts target-only and speculatively (alternating, one process) and writes DIR/report.json,
+DIR/report.md, plots and DIR/samples.jsonl. Lists sweep k and the batch size; the report keeps the recommended
+configuration at the top level and adds a `sweep` table. The verdict is `enable` only when every decision
+threshold below holds.
 choose_k=1,2,3,4 picks k before the timed runs by predicted speedup (a teacher-forced replay of the draft on the
 target's outputs for the first choose_k_prompts prompts, plus timed costs) and measures only that k.
 tree=3x1x1,dyn8 adds draft trees to the sweep at batch size 1 (3x1x1: the draft's top 3, then its top 1 below
@@ -31,30 +26,17 @@ Prompts: .jsonl/.json with {"prompt"}, {"messages"}, ShareGPT or Spec-Bench reco
 
 In the serving engine: engine=vllm (or engine=specdec,vllm, both side by side) starts `vllm serve` from vLLM's
 own venv (`make vllm-env`; vllm_python= to point elsewhere) for target-only and speculative, sends the same prompt
-token ids at concurrency=1,4,16 and reads acceptance from its /metrics. vllm_method=auto|draft_model|eagle3|ngram
-(auto reads the draft's config.json), vllm_ngram=true adds an n-gram reference row, vllm_args=[...] passes extra
-server arguments (e.g. --enforce-eager), vllm_speculative_config={...} extra speculative-config keys; also
-vllm_port, vllm_prefix_caching, vllm_side_by_side, vllm_startup_timeout, vllm_request_timeout, vllm_stop_timeout.
-Server logs are kept beside the report (vllm-<mode>.log).
-"""
+token ids at each concurrency level and reads acceptance from its /metrics. Server logs are kept beside the
+report (vllm-<mode>.log)."""
 
-VERIFY_HELP = """usage: specdec verify [--temperature 1.0,0.8 --top-k 0,6 --top-p 1.0,0.9] [--batch-size 2000,1]
-                      [--samples 16000] [--samples-batch1 300] [--alpha 0.001] [--out DIR]
-       specdec verify --target T --draft D --prompts FILE [--num-prompts 2] [--samples 512] [--batch-size 64]
-
-Checks that speculative sampling is distributed exactly as the target. Without --target/--draft it builds a
+VERIFY_INTRO = """Checks that speculative sampling is distributed exactly as the target. Without --target/--draft it builds a
 seeded tiny pair (vocab 16) and compares the joint law of the first 4 generated tokens (k = 2) in both modes
 with the exact one (chi-square with pooling, and TV distance, thresholds fixed before sampling). With a pair
-it tests the first two generated tokens per prompt. Exits 1 when a test fails.
-"""
+it tests the first two generated tokens per prompt. Exits 1 when a test fails."""
 
 
 def main_eval(argv: list[str]) -> int:
     """`specdec eval`: baseline vs speculative report."""
-    if any(a in ("-h", "--help") for a in argv):
-        print(EVAL_HELP)
-        return 0
-
     cfg = config_from_cli(EvalConfig, argv, section="eval")
     result = run(cfg)
     s = result["speculative"]
@@ -79,10 +61,6 @@ def main_eval(argv: list[str]) -> int:
 
 def main_verify(argv: list[str]) -> int:
     """`specdec verify`: distribution equivalence under sampling; 0 on pass, 1 on failure."""
-    if any(a in ("-h", "--help") for a in argv):
-        print(VERIFY_HELP)
-        return 0
-
     cfg = config_from_cli(VerifyConfig, argv, section=None)
     result = run_verify(cfg)
     print(format_result(result, result.get("seconds")))

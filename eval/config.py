@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specdec.decode import max_draft_depth
 from specdec.eval import decision as decision_mod
 from specdec.eval import engine as engines
 from specdec.eval import proposals
@@ -21,40 +22,50 @@ PLOT_FORMATS = ("png", "svg", "pdf")
 class EvalConfig(*engines.option_classes()):
     """`specdec eval` settings (recipe section `eval:`). Lists sweep: one row per (k or tree, batch size)."""
 
-    target: str = "embedded:smollm2-135m-instruct"
+    target: str = "embedded:smollm2-135m-instruct"  # the target: Hub id, local checkpoint folder or the embedded one
+    # The draft: a `specdec train` checkpoint folder (output_dir/final or best) or a Hub id; needed by specdec's
+    # decoder, not by engine=vllm with vllm_method=ngram alone.
     draft: str | None = None
     prompts: str = "embedded:heldout"  # .jsonl/.json prompt file; default: the shipped held-out prompt set
     num_prompts: int | None = None  # the first N prompts (None: all)
-    use_chat_template: bool = True
-    num_draft_tokens: list[int] = field(default_factory=lambda: [4])
+    use_chat_template: bool = True  # wrap prompts in the target's chat template; false = the raw text
+    num_draft_tokens: list[int] = field(default_factory=lambda: [4])  # k, draft tokens per round; a list sweeps
     # Draft trees swept beside the chains, at batch size 1 (specdec/tree.py): e.g. 3x1x1 (top 3, then top 1),
     # dyn8 (EAGLE-2's dynamic tree of 8 nodes). [] = chains only.
     tree: list[str] = field(default_factory=list)
-    batch_size: list[int] = field(default_factory=lambda: [1])
-    max_new_tokens: int = 64
+    batch_size: list[int] = field(default_factory=lambda: [1])  # prompts decoded together; a list sweeps
+    max_new_tokens: int = 64  # tokens generated per prompt, in both modes
+    # 0 = greedy: the speculative output must equal the target's token for token; > 0 samples, and the
+    # distribution check (equivalence_samples) runs instead.
     temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
+    top_k: int = 0  # sampling: the k most likely tokens only (0 = no limit), for target and draft alike
+    top_p: float = 1.0  # sampling: the smallest set of tokens holding this probability (1 = no limit)
+    seed: int = 0  # seeds the sampling (each batch's generator) and the equivalence check
     warmup: int = 1  # untimed passes over the first batch, per batch size
-    out: str | None = None
+    out: str | None = None  # the report's folder (report.json, report.md, plots, samples.jsonl)
     output_dir: str | None = None  # recipe-wide; the report goes to output_dir/eval when `out` is not set
-    device: str = "auto"
+    device: str = "auto"  # auto (CUDA when present, else the CPU), cpu, cuda or cuda:N
+    # Both models' dtype: auto (bfloat16 on CUDA, float32 on a CPU, where exactness needs it), float32, bfloat16
+    # or float16.
     dtype: str = "auto"
     threads: int | None = None  # torch CPU threads (None: torch's default)
-    report_to: str = "none"  # none | wandb
-    run_name: str | None = None
-    # Decision thresholds, fixed before the run; all must hold for `enable`.
-    min_acceptance_rate: float = 0.5
-    min_speedup: float = 1.1
-    # accounted memory the draft may add, as a fraction of target-only's (its weights and KV cache; eval/memory.py)
+    report_to: str = "none"  # none | wandb (the report's figures go to the wandb project `specdec`)
+    run_name: str | None = None  # the wandb run's name (report_to=wandb); None = wandb's own
+    # --- decision thresholds, fixed before the run; all must hold for `enable`
+    min_acceptance_rate: float = 0.5  # the least acceptance rate (accepted / proposed draft tokens), 0..1
+    min_speedup: float = 1.1  # the least speedup (target-only wall time / speculative wall time)
+    # The accounted memory the draft may add, as a fraction of target-only's (its weights and KV cache;
+    # eval/memory.py).
     max_memory_overhead: float = 0.2
-    recommend_by: str = "speedup"  # speedup | tokens_per_s | latency_p50 | latency_p95
-    plot_format: str = "png"
+    # The figure that picks the recommended row of the sweep (among those that pass): speedup, tokens_per_s,
+    # latency_p50 or latency_p95.
+    recommend_by: str = "speedup"
+    plot_format: str = "png"  # png | svg | pdf: the plots' file format
     cost_repeats: int = 10  # interleaved passes timing one cached forward of each kind, for c and v
     equivalence_samples: int = 256  # sampling only: draws for the short distribution check (0: skip)
-    # Candidate k values: before the timed runs, pick the one with the best predicted speedup (see
-    # choose_num_draft_tokens) and measure only it; replaces num_draft_tokens. [] = off.
+    # Candidate k values: before the timed runs, pick the one with the best predicted speedup (a teacher-forced
+    # replay on the first choose_k_prompts prompts, plus timed costs) and measure only it; replaces
+    # num_draft_tokens. [] = off.
     choose_k: list[int] = field(default_factory=list)
     choose_tree: list[str] = field(default_factory=list)  # static tree shapes choose_k weighs beside its chains
     choose_k_prompts: int = 4  # calibration prompts (the first ones, which also serve as warm-up)
@@ -71,6 +82,7 @@ class EvalConfig(*engines.option_classes()):
             raise ValueError("eval needs prompts: pass --prompts FILE.jsonl (default: embedded:heldout)")
         self._check_proposals()
         self._check_counts()
+        self._check_reach()
         self.sampling()  # temperature / top_k / top_p checks with their own messages
         self.thresholds()
         if self.recommend_by not in RECOMMEND_BY:
@@ -116,6 +128,22 @@ class EvalConfig(*engines.option_classes()):
             raise ValueError(f"num_prompts must be >= 1 (or unset for all), got {self.num_prompts}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+
+    def _check_reach(self) -> None:
+        """No proposal deeper than a round can propose within max_new_tokens. Refused rather than capped: a capped
+        k=1000 would be reported as k=1000 while measuring a shorter chain (and sweep rows would merge), with
+        positions no round reached; nothing is loaded yet, so the refusal costs nothing."""
+        reach = max_draft_depth(self.max_new_tokens)
+        listed = [("num_draft_tokens", p) for p in map(Proposal.chain, self.num_draft_tokens)]
+        listed += [("tree", p) for p in self._trees] + [("choose_tree", p) for p in self._choose_trees]
+        listed += [("choose_k", p) for p in map(Proposal.chain, self.choose_k)]
+        for key, p in listed:
+            if p.depth > reach:
+                what = f"{key}={p.value} is {p.depth} deep" if p.is_tree else f"{key} lists {p.k}"
+                raise ValueError(
+                    f"{what}, but with max_new_tokens={self.max_new_tokens} a round can propose at most {reach} draft "
+                    f"token(s) (the prefill gives the first new token, and each round's last is the target's own); "
+                    f"lower it to at most {reach}, or raise max_new_tokens to at least {p.depth + 2}")
 
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(self.temperature, self.top_k, self.top_p)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from specdec.eval import metrics
@@ -23,13 +24,19 @@ def per_position_acceptance(rows: list[dict], path: Path) -> None:
                      for r in rows], path)
 
 
-def acceptance_bars(bars: list[tuple[str, list[float]]], path: Path) -> None:
-    """Per-position acceptance, one bar of each (label, acceptance per position) at every position."""
+def acceptance_bars(bars: list[tuple[str, list[float | None]]], path: Path) -> None:
+    """Per-position acceptance, one bar of each (label, acceptance per position) at every position; a position no
+    round reached (None) gets no bar but a grey x, so that it does not read as a rate of 0."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 3.5))
     width = 0.8 / max(1, len(bars))
+    unreached: list[float] = []
     for j, (label, acc) in enumerate(bars):
-        ax.bar([i + 1 + (j - (len(bars) - 1) / 2) * width for i in range(len(acc))], acc, width=width, label=label)
+        xs = [i + 1 + (j - (len(bars) - 1) / 2) * width for i in range(len(acc))]
+        ax.bar(xs, [math.nan if a is None else a for a in acc], width=width, label=label)
+        unreached += [x for x, a in zip(xs, acc) if a is None]
+    if unreached:
+        ax.plot(unreached, [0.02] * len(unreached), "x", color="grey", linestyle="none", label="not reached")
     ax.set_xticks(range(1, 1 + max((len(acc) for _, acc in bars), default=0)))
     ax.set_xlabel("draft position i")
     ax.set_ylabel("P(accept i | accepted < i)")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from specdec import fast_linear
 from specdec.eval.engine import markdown as engine_markdown
+from specdec.outputs import NOT_REACHED, position_rates
 from specdec.proposal import Proposal
 
 FORMULA = (
@@ -142,8 +143,8 @@ def _results_lines(r: dict) -> list[str]:
         f"{s['rounds']} rounds, {s['proposed']} proposed, {s['accepted']} accepted, {s['corrections']} corrections, "
         f"{s['bonus']} bonus tokens.",
         "",
-        "Per-position acceptance P(i accepted | < i accepted): "
-        + ", ".join(f"{i + 1}: {a:.3f}" for i, a in enumerate(s["per_position_acceptance"])),
+        "Per-position acceptance P(i accepted | < i accepted): " + position_rates(s["per_position_acceptance"])
+        + (f" ({NOT_REACHED}: no round reached that position)" if None in s["per_position_acceptance"] else ""),
         "",
         f"Costs measured in this run: target step {r['cost']['target_step_ms']:.2f} ms, draft step "
         f"{r['cost']['draft_step_ms']:.2f} ms, c = {r['cost']['c']:.3f}, v(n+1) = {r['cost']['v']:.3f} (n verified draft tokens); "

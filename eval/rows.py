@@ -57,8 +57,8 @@ def config_row(cfg, prompts, calls: list[Call], p: Proposal, b: int, cost: dict,
         **proposal_keys(p), "batch_size": b,
         "baseline": bm, "speculative": sm,
         "speedup": metrics.speedup(bm["seconds"], sm["seconds"]),
-        "analytical_speedup": metrics.analytical_speedup(st["per_position_acceptance"], cost["c"], v),
-        "expected_tokens_per_round": metrics.expected_tokens_per_round(st["per_position_acceptance"]),
+        "analytical_speedup": metrics.analytical_speedup(_reached(st["per_position_acceptance"]), cost["c"], v),
+        "expected_tokens_per_round": metrics.expected_tokens_per_round(_reached(st["per_position_acceptance"])),
         "cost": {"c": cost["c"], "v": v},
         # the gate reads the accounted overhead_mb; the measured peaks' figure is informational (it moves between runs)
         "memory": {**mem, "rss_overhead_mb": metrics.memory_overhead_mb(
@@ -68,6 +68,12 @@ def config_row(cfg, prompts, calls: list[Call], p: Proposal, b: int, cost: dict,
         "categories": _categories(prompts, base, spec),
         "samples": [(prompts[i].prompt_id, prompts[i].category, by_row_base[i], by_row_spec[i]) for i in order],
     }
+
+
+def _reached(rates: list[float | None]) -> list[float]:
+    """Per-position rates for the analytic model. A position no round reached (None: every round stopped before
+    it) adds no expected token, so it counts as 0 there; the report keeps it None."""
+    return [0.0 if a is None else a for a in rates]
 
 
 def _mode_metrics(calls: list[Call]) -> dict:

@@ -31,8 +31,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdec.compat import check_compatible
 from specdec.decode import speculative_generate, target_generate
-from specdec.models import load_model, load_tokenizer
-from specdec.prompts import encode_prompt, read_prompts
+from specdec.draft_registry import check_fits
+from specdec.models import context_length, load_model, load_tokenizer
+from specdec.prompts import check_prompt_lengths, encode_prompt, read_prompts
 from specdec.sampling import SamplingConfig, probabilities
 
 log = logging.getLogger(__name__)
@@ -297,23 +298,25 @@ class VerifyConfig:
     """`specdec verify` settings. Sampling lists are zipped into settings (a one-item list is repeated)."""
 
     target: str | None = None  # with draft and prompts: check that pair instead of the tiny one
-    draft: str | None = None
-    prompts: str | None = None
-    num_prompts: int = 2
-    use_chat_template: bool = True
+    draft: str | None = None  # the draft checked with target (a checkpoint folder or Hub id); None = the tiny pair
+    prompts: str | None = None  # a user's pair: .jsonl/.json prompt file, or embedded:heldout
+    num_prompts: int = 2  # a user's pair: the first N prompts, each tested on its own
+    use_chat_template: bool = True  # a user's pair: wrap prompts in the target's chat template
+    # Sampling temperatures checked (> 0: greedy is `specdec eval`'s token-identity check); zipped with top_k and
+    # top_p into settings, a one-item list repeated.
     temperature: list[float] = dataclasses.field(default_factory=lambda: [1.0, 0.8])
-    top_k: list[int] = dataclasses.field(default_factory=lambda: [0, 6])
-    top_p: list[float] = dataclasses.field(default_factory=lambda: [1.0, 0.9])
+    top_k: list[int] = dataclasses.field(default_factory=lambda: [0, 6])  # top-k of each setting (0 = no limit)
+    top_p: list[float] = dataclasses.field(default_factory=lambda: [1.0, 0.9])  # top-p of each setting (1 = no limit)
     batch_size: list[int] | None = None  # tiny pair: [2000, 1]; a user's pair: [64]
     samples: int | None = None  # per batched check; tiny pair: 16000; a user's pair: 512 per prompt
-    samples_batch1: int = 300
+    samples_batch1: int = 300  # draws at batch size 1 (one decoder call each, so fewer)
     num_tokens: int = 4  # tiny pair: m tokens tested jointly
-    num_draft_tokens: int = 2
-    vocab_size: int = 16
-    alpha: float = 1e-3
-    seed: int = 0
-    device: str = "auto"
-    dtype: str = "auto"
+    num_draft_tokens: int = 2  # tiny pair: k, draft tokens per round (a user's pair is tested at k = 1)
+    vocab_size: int = 16  # tiny pair: its vocabulary (vocab_size ** num_tokens cells, at most 4M)
+    alpha: float = 1e-3  # a test fails when its chi-square p-value is below alpha (or TV exceeds its bound)
+    seed: int = 0  # seeds the tiny pair's weights and prompt, and the sampling
+    device: str = "auto"  # a user's pair: auto (CUDA when present, else the CPU), cpu, cuda or cuda:N
+    dtype: str = "auto"  # a user's pair: both models' dtype (auto: bfloat16 on CUDA, float32 on a CPU)
     threads: int | None = None  # torch CPU threads (None: 1 for the tiny pair, torch's default for a user's pair)
     out: str | None = None  # write verify.json here
 
@@ -381,12 +384,16 @@ def run_verify(cfg: VerifyConfig) -> dict:
 
 def _check_user_pair(cfg: VerifyConfig) -> dict:
 
-    prompts = read_prompts(resolve_prompts_path(cfg.prompts), limit=cfg.num_prompts)
+    path = resolve_prompts_path(cfg.prompts)
+    prompts = read_prompts(path, limit=cfg.num_prompts)
     tokenizer = load_tokenizer(cfg.target)
     target = load_model(cfg.target, cfg.dtype, cfg.device)
     draft = load_model(cfg.draft, cfg.dtype, cfg.device)
+    check_fits(draft, target, f"the draft {cfg.draft}", f"the target {cfg.target}")
     check_compatible(tokenizer, _draft_tokenizer(cfg.draft, tokenizer), target, draft)
     ids = [encode_prompt(tokenizer, first_turn(p.messages), cfg.use_chat_template) for p in prompts]
+    # the check generates two tokens per prompt
+    check_prompt_lengths(prompts, ids, 2, {"the target": context_length(target), "the draft": context_length(draft)}, path)
     tests = []
     for sampling in cfg.settings():
         for b in cfg.batch_size or [64]:

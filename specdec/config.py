@@ -13,8 +13,15 @@ where no such file is here): the recipes ship inside the package, so an installe
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib.resources
+import inspect
+import io
+import math
+import os
+import textwrap
+import tokenize
 import types
 import typing
 from pathlib import Path
@@ -47,14 +54,45 @@ class _CliText(str):
     (`mixed_precision=no` stays "no" instead of becoming YAML's boolean false)."""
 
 
+# Keys (the last part of a dotted key) that hold a file or folder path, and the endings that mark one. There `~` is
+# the home folder, as in a shell, and not YAML's null: `--out ~` writes to the home folder, `prompts: ~/p.jsonl`
+# reads from it. (In a recipe a bare `~` is still YAML's null: YAML reads it before any key is known.)
+PATH_KEYS = frozenset({"out", "prompts", "eval_prompts", "target", "draft", "recipe", "report", "train_data",
+                       "heldout_data", "resume_from"})
+PATH_SUFFIXES = ("_dir", "_path", "_file")
+
+
+def _is_path_key(key: str) -> bool:
+    name = key.rsplit(".", 1)[-1]
+    return name in PATH_KEYS or name.endswith(PATH_SUFFIXES)
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """Where and what a YAML parse error is, in one line: "line 3, column 4: expected ',' or ']'"."""
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark is not None else problem
+
+
+def _override_yaml(text: str, key: str) -> Any:
+    """An override's value as YAML, or a ValueError naming the override and how to write it."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        problem = _yaml_problem(err).split(": ", 1)[-1]
+        raise ValueError(f"override {key}={text} is not valid YAML ({problem}); write a list as 1,2,4 or [1, 2, 4] "
+                         f"(brackets closed), and quote text that holds YAML punctuation") from None
+
+
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Turn a YAML/CLI value into the field's declared type, or raise a ValueError naming the key."""
     tp = _unwrap_optional(tp)
     if isinstance(value, _CliText):
         text = str(value)
-        if tp is str and text.strip() not in ("null", "~"):
-            return text
-        value = yaml.safe_load(text) if text.strip() else ""
+        path = _is_path_key(key)
+        if tp is str and text.strip() not in (("null",) if path else ("null", "~")):  # a path's `~` is home
+            return os.path.expanduser(text.strip()) if path else text
+        value = _override_yaml(text, key) if text.strip() else ""
     if value is None:
         return None
     if dataclasses.is_dataclass(tp):
@@ -65,7 +103,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if origin in (list, tuple):
         (item_tp, *_) = typing.get_args(tp) or (Any,)
         if isinstance(value, str):  # CLI: "1,2,4" or "[1, 2, 4]"
-            value = yaml.safe_load(value) if value.strip().startswith("[") else value.split(",")
+            value = _override_yaml(value, key) if value.strip().startswith("[") else value.split(",")
         if not isinstance(value, (list, tuple)):
             value = [value]
         items = [_coerce(v, item_tp, key) for v in value]
@@ -79,16 +117,18 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp in (int, float):
         try:
             number = float(value) if tp is float else int(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # int(inf): OverflowError
             number = None
         if number is None or isinstance(value, bool) or (tp is int and isinstance(value, float) and value != number):
             raise ValueError(f"{key}: expected {tp.__name__}, got {value!r}")
+        if not math.isfinite(number):  # nan passes every comparison a later check would make, and inf most
+            raise ValueError(f"{key}: expected a finite number, got {value!r}; give a real value (e.g. {key}=1.0)")
         return number
     if tp is str:
         if isinstance(value, bool):
             raise ValueError(f"{key}: expected text, got the YAML boolean {str(value).lower()}; quote the value in "
                              f"the recipe (e.g. {key.rsplit('.', 1)[-1]}: \"no\")")
-        return str(value)
+        return os.path.expanduser(str(value)) if _is_path_key(key) else str(value)
     return value
 
 
@@ -125,6 +165,8 @@ def recipe_file(name: str | Path) -> Path:
     path = Path(name)
     if path.is_file():
         return path
+    if path.is_dir():
+        raise ValueError(f"config file {name} is a folder; pass a recipe's .yaml file (or a shipped recipe's name)")
     if path.parent in (Path("."), Path("recipes")):
         shipped = shipped_recipes() / (path.name if path.suffix else f"{path.name}.yaml")
         if shipped.is_file():
@@ -138,7 +180,16 @@ def read_recipe(path: str | Path | None) -> dict[str, Any]:
     if path is None:
         return {}
     path = recipe_file(path)
-    raw = yaml.safe_load(path.read_text()) or {}
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as err:
+        raise ValueError(f"config file {path} is not valid YAML at {_yaml_problem(err)}; fix that line (each key "
+                         f"is `key: value`, nested under its section by two spaces)") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"config file {path} is not UTF-8 text (byte {err.object[err.start]:#04x} at offset "
+                         f"{err.start}); save it as UTF-8") from None
+    except OSError as err:
+        raise ValueError(f"could not read config file {path}: {err.strerror or err}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"config file {path} must hold a YAML mapping at its top level")
     unknown = sorted(k for k in raw if k not in SECTIONS and k not in SHARED_KEYS)
@@ -239,43 +290,102 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-def _field_comments(cls: type) -> dict[str, str]:
-    """Each field's comment in the class source: the one after it on its line, else the lines just above it."""
-    import inspect
-    import re
+HELP_FLAGS = ("-h", "--help")
+_HELP_WIDTH = 110  # the help's lines wrap here (the repository's line length)
 
+
+def wants_help(argv: list[str]) -> bool:
+    """Whether a command line asks for its help: -h or --help anywhere on it (`specdec demo --quick --help`).
+    Every command checks this before any other parsing, so that a line which would not parse still gets help."""
+    return any(arg in HELP_FLAGS for arg in argv)
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    """Each field's meaning, read from the comments in its class's own source: the comment on the field's line(s),
+    else the comment lines just above it. A comment line that starts with `---` heads a group of keys, and so does
+    a single comment line above a field that does not end in a full stop ("# optimisation"): neither is a meaning."""
     try:
-        source = inspect.getsource(cls)
+        source = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):
         return {}
-    comments, above = {}, []
-    for line in source.splitlines():
-        stripped = line.strip()
-        if stripped.startswith("#"):
-            above.append(stripped.lstrip("# ").rstrip())
+    comments = {tok.start[0]: tok.string.lstrip("#").strip()
+                for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
+    lines = source.splitlines()
+    meanings: dict[str, str] = {}
+    for node in ast.parse(source).body[0].body:  # type: ignore[attr-defined]
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
             continue
-        match = re.match(r"\s+(\w+)\s*:[^=]*(=.*)?$", line)
-        if match:
-            inline = line.split("  # ", 1)[1].strip() if "  # " in line else ""
-            # A one-line comment above a field without a full stop heads a group of keys ("# optimisation").
-            block = " ".join(above) if len(above) > 1 or (above and above[-1].endswith(".")) else ""
-            comments[match.group(1)] = inline or block
-        above = []
-    return comments
+        inline = [comments[n] for n in range(node.lineno, node.end_lineno + 1) if n in comments]
+        above, n = [], node.lineno - 1
+        while n in comments and lines[n - 1].lstrip().startswith("#") and not comments[n].startswith("---"):
+            above.insert(0, comments[n])
+            n -= 1
+        if len(above) == 1 and not above[0].endswith("."):
+            above = []
+        meanings[node.target.id] = " ".join(inline or above)
+    return meanings
 
 
-def help_text(cls: type, usage: str, title: str) -> str:
-    """A subcommand's `--help`, generated from its config dataclass: each key, its default and its comment."""
-    comments = _field_comments(cls)
-    lines = [f"usage: {usage}", "", f"{title}:"]
-    for f in dataclasses.fields(cls):
+def _yaml_text(value: Any) -> str:
+    """A default as a user writes it in a recipe or a key=value override (null, true, [0, 1], "")."""
+    if isinstance(value, tuple):
+        value = list(value)
+    try:
+        text = yaml.safe_dump(value, default_flow_style=True, width=1 << 20, sort_keys=False).strip()
+    except yaml.YAMLError:
+        return repr(value)
+    return text.removesuffix("\n...").strip()
+
+
+def _key_lines(cls: type, names: list[str], prefix: str = "") -> list[str]:
+    """`  key = default` and the key's meaning below it, for `names` of dataclass `cls`; a field that holds a
+    dataclass lists that class's keys as `field.key`."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    types_, comments = _field_types(cls), {}
+    for base in reversed(cls.__mro__):  # a subclass's comment wins over its base's
+        comments.update(_field_comments(base) if dataclasses.is_dataclass(base) else {})
+    lines: list[str] = []
+    for name in names:
+        f, tp = fields[name], _unwrap_optional(types_[name])
+        if dataclasses.is_dataclass(tp):  # its keys, with that class's defaults
+            lines += _key_lines(tp, [g.name for g in dataclasses.fields(tp)], f"{prefix}{name}.")
+            continue
         if f.default is not dataclasses.MISSING:
-            default = repr(f.default)
-        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-            default = repr(f.default_factory())  # type: ignore[misc]
+            default = _yaml_text(f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            default = _yaml_text(f.default_factory())
         else:
             default = "(required)"
-        note = comments.get(f.name, "")
-        lines.append(f"  {f.name} = {default}" + (f"    # {note}" if note else ""))
+        lines.append(f"  {prefix}{name} = {default}")
+        if comments.get(name):
+            lines += textwrap.wrap(comments[name], _HELP_WIDTH, initial_indent=" " * 6, subsequent_indent=" " * 6,
+                                   break_long_words=False, break_on_hyphens=False)
+    return lines
+
+
+def _sections(cls: type, title: str) -> list[tuple[str, list[str]]]:
+    """(heading, field names) of `cls`: its own fields under `title`, then each dataclass base's under the first
+    line of that base's docstring (EvalConfig takes the serving engines' option classes as bases)."""
+    owner = {}
+    for base in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(base):
+            owner.update({name: base for name in inspect.get_annotations(base)})
+    sections = []
+    for base in cls.__mro__:
+        names = [f.name for f in dataclasses.fields(cls) if owner.get(f.name) is base]
+        if names:
+            heading = title if base is cls else (inspect.getdoc(base) or base.__name__).splitlines()[0].rstrip(".")
+            sections.append((heading, names))
+    return sections
+
+
+def help_text(cls: type, usage: str, title: str, intro: str = "", more: tuple[tuple[str, type], ...] = ()) -> str:
+    """A command's `--help`, generated from its config dataclass(es): the usage line, the command's own prose
+    (`intro`), then under `title` each key of `cls` with its default and its meaning (the field's comment), then the
+    keys of its dataclass bases and of the `(title, class)` pairs in `more`."""
+    lines = [f"usage: {usage}", ""] + ([intro.strip("\n"), ""] if intro.strip() else [])
+    for index, (heading, klass) in enumerate([(title, cls), *more]):
+        for part, (part_heading, names) in enumerate(_sections(klass, heading)):
+            lines += ([""] if index or part else []) + [f"{part_heading}:", *_key_lines(klass, names)]
     lines += ["", "Set any of them as key=value, --key value (--flag for true), or in the recipe's section."]
     return "\n".join(lines)

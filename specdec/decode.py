@@ -52,6 +52,13 @@ class DecodeOptions:
     trace: bool = False  # keep every round (RoundTrace, TreeTrace)
 
 
+def max_draft_depth(max_new_tokens: int) -> int:
+    """The most draft tokens any round can propose within max_new_tokens: the prefill gives the first new token and
+    a round of d proposals appends up to d + 1, so d <= max_new_tokens - 2 (at least 1; `_speculate` caps each round
+    to what still fits). Positions deeper than this are never tried."""
+    return max(1, max_new_tokens - 2)
+
+
 def _with_fast_linears(*names: str):
     """Run the decorated decoder with the CPU linear fast path on the named models (specdec/fast_linear.py)."""
 
@@ -69,7 +76,7 @@ def _with_fast_linears(*names: str):
     return decorate
 
 
-def _check_inputs(target, input_ids, attention_mask, max_new_tokens, lookahead, draft=None, num_draft_tokens=1):
+def _check_inputs(target, input_ids, attention_mask, max_new_tokens, draft=None, num_draft_tokens=1):
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
         raise ValueError("input_ids must be a LongTensor of shape [batch, prompt_len] (use tokenizer(..., return_tensors='pt'))")
     if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
@@ -95,15 +102,17 @@ def _check_inputs(target, input_ids, attention_mask, max_new_tokens, lookahead, 
             raise ValueError(f"draft is on {d_param.device} but the target on {t_param.device}; put both on one device")
         if d_param.dtype != t_param.dtype:
             raise ValueError(f"draft dtype {d_param.dtype} differs from the target's {t_param.dtype}; load both in one dtype")
-    for model in (target, draft):
+    # No position past prompt + max_new_tokens - 1 is ever fed: a round proposes at most what still fits
+    # (`_speculate`), so the proposals need no room of their own beyond max_new_tokens.
+    for name, model in (("target", target), ("draft", draft)):
         if model is None:
             continue
         limit = getattr(model.config, "max_position_embeddings", None)
-        needed = input_ids.shape[1] + max_new_tokens + lookahead
+        needed = input_ids.shape[1] + max_new_tokens
         if limit is not None and needed > limit:
             raise ValueError(
-                f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) + {lookahead} lookahead "
-                f"exceeds the model's context of {limit}; shorten the prompt or lower max_new_tokens"
+                f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds the {name}'s "
+                f"context of {limit}; shorten the prompt or lower max_new_tokens"
             )
 
 
@@ -229,7 +238,7 @@ def target_generate(
     `DecodeOptions` (pad_token_id, timing).
     """
     settings = DecodeOptions(sampling, max_new_tokens, eos_token_id, **options)
-    _check_inputs(target, input_ids, attention_mask, max_new_tokens, lookahead=0)
+    _check_inputs(target, input_ids, attention_mask, max_new_tokens)
     if top_logprobs < 0:
         raise ValueError(f"top_logprobs must be >= 0 (0 = off), got {top_logprobs}")
     state = _Decoding.new(target, input_ids, attention_mask, settings, generator, 0, DecodeStats())
@@ -267,7 +276,7 @@ def speculative_generate(
     if proposal.is_tree:
         input_ids, attention_mask = _tree_inputs(target, draft, input_ids, attention_mask, proposal)
     k = proposal.depth
-    _check_inputs(target, input_ids, attention_mask, max_new_tokens, k + 1, draft, k)
+    _check_inputs(target, input_ids, attention_mask, max_new_tokens, draft, k)
     state = _Decoding.new(target, input_ids, attention_mask, settings, generator, k + 1,
                           DecodeStats.for_proposal(proposal))
     try:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specdec.config import config_from_cli, help_text, load_config, recipe_file, shipped_recipes
+from specdec.config import config_from_cli, load_config, recipe_file, shipped_recipes
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +48,11 @@ FULL_RECIPE, QUICK_RECIPE = "smollm2-135m-eagle3.yaml", "smollm2-135m-quick.yaml
 class DemoConfig:
     """Options of `specdec demo` (section `demo:` of the recipe it runs)."""
 
-    quick: bool = False
+    quick: bool = False  # the few-minute run (recipe smollm2-135m-quick, 5-minute budget): proves the pipeline
     recipe: str = ""  # a path or a shipped recipe's name; default: smollm2-135m-eagle3, or smollm2-135m-quick with --quick
     output_dir: str = ""  # default: outputs/demo, or outputs/demo-quick with --quick
-    eval_prompts: str = "embedded:heldout"
-    eval_num_prompts: int | None = None  # default: 8 with --quick, else 24
+    eval_prompts: str = "embedded:heldout"  # the evaluation's prompt file (.jsonl/.json) or embedded:heldout
+    eval_num_prompts: int | None = None  # prompts evaluated (the first N); default: 8 with --quick, else 24
     fresh: bool = False  # ignore completed stages and redo everything
     minutes: float = 0.0  # time budget of the whole demo; 0 = 45, or 5 with --quick
     # Data generation starts no shard that would end past this share of the budget, so that training, where the
@@ -105,7 +105,8 @@ def stage_configs(cfg: DemoConfig) -> Stages:
     # held-out prompts used by the evaluation are seen by neither training nor checkpoint selection.
     resume = "latest" if latest_checkpoint(train_dir / "checkpoints") and not cfg.fresh else ""
     train = load_config(TrainConfig, recipe,
-                        [f"output_dir={train_dir}", f"train_data={data_dir}", f"resume_from={resume}"], section="train")
+                        [f"output_dir={train_dir}", f"train_data={data_dir}", f"resume_from={resume}",
+                         f"overwrite={cfg.fresh}"], section="train")
     final = train_dir / "final"
     evaluation = load_config(
         EvalConfig, recipe,
@@ -283,10 +284,7 @@ def _print_summary(report: dict, eval_dir: Path, draft_dir: Path, timings: dict[
 
 
 def main(argv: list[str]) -> int:
-    """Entry point of `specdec demo`."""
-    if argv and argv[0] in ("-h", "--help"):
-        print(__doc__ + "\n" + help_text(DemoConfig, "specdec demo [--quick] [--plan] [key=value ...]", "options"))
-        return 0
+    """Entry point of `specdec demo` (its --help: specdec/cli.py)."""
     cfg = config_from_cli(DemoConfig, argv, section="demo")
     if cfg.plan:
         print("\n".join(plan_lines(cfg, stage_configs(cfg))))

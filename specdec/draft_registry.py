@@ -7,6 +7,8 @@
     of_model(model)             the kind of a loaded draft (plain when no other kind owns it)
     for_recipe(draft)           the kind a recipe's `draft:` value trains (a registered name, else plain)
     make_drafter(draft, ...)    the decoder's side of a draft, from its kind
+    check_fits(draft, target)   ValueError when a loaded draft cannot read this target (a kind's optional
+                                `check_target`: EAGLE-3's vocabulary, width and layers), before any forward
 
 The plain kind is the fallback and is asked last; the others in the order they were registered. Layouts of earlier
 specdec versions that no kind reads any more get an error that says what to do instead (`RETIRED`).
@@ -91,6 +93,14 @@ def for_recipe(draft: str) -> DraftKind:
         if draft == value:
             raise ValueError(f"draft: {draft} is {fix}")
     return _KINDS[draft] if draft in _KINDS else PLAIN
+
+
+def check_fits(draft, target, name: str = "the draft", target_name: str = "the target") -> None:
+    """ValueError naming both sizes when `draft` cannot read `target`; kinds without a `check_target` (plain) rely on
+    specdec/compat.py's tokenizer check alone."""
+    check = getattr(of_model(draft), "check_target", None)
+    if check is not None:
+        check(draft, target, name, target_name)
 
 
 def make_drafter(draft, target, sampling: SamplingConfig):

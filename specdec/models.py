@@ -52,9 +52,26 @@ def resolve_device(name: str | None = "auto") -> torch.device:
 BF16_IF_NATIVE = "bf16-if-native"
 
 
+# on | off | auto (the default): forces the answer of `cpu_has_native_bf16`, so that one machine runs the code
+# paths of the other kind of CPU (`make test-bf16-on` / `make test-bf16-off`, docs/usage.md).
+CPU_BF16_ENV = "SPECDEC_CPU_BF16"
+
+
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU computes bf16 dot products natively (AVX512-BF16 or AMX). Elsewhere torch emulates
-    bf16, several times slower than float32 on an AVX2 CPU (docs/results/history.md)."""
+    bf16, several times slower than float32 on an AVX2 CPU (docs/results/history.md). $SPECDEC_CPU_BF16=on|off
+    replaces the answer (what specdec chooses from it: mixed precision, bf16-if-native); auto reads the CPU."""
+    setting = os.environ.get(CPU_BF16_ENV, "").strip().lower() or "auto"
+    if setting not in ("on", "off", "auto"):
+        raise ValueError(f"{CPU_BF16_ENV}={os.environ[CPU_BF16_ENV]!r}: use on, off or auto (the default: "
+                         "read the CPU's flags)")
+    if setting != "auto":
+        return setting == "on"
+    return cpu_flags_have_bf16()
+
+
+def cpu_flags_have_bf16() -> bool:
+    """Whether /proc/cpuinfo lists a native bf16 dot product (avx512_bf16 or amx_bf16), whatever the setting."""
     try:
         flags = Path("/proc/cpuinfo").read_text().split()
     except OSError:
@@ -128,6 +145,68 @@ def resolve_path(name_or_path: str) -> str:
     return str(embedded_checkpoint()) if is_embedded(name_or_path) else name_or_path
 
 
+def _is_hub_id(name: str) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def check_checkpoint(name_or_path: str) -> None:
+    """Before transformers reads a checkpoint: a ValueError naming the path that does not exist (and is no Hub id),
+    or the config.json / *.safetensors file that is truncated or corrupt, with the fix. Reads only headers."""
+    from safetensors import SafetensorError, safe_open
+
+    if is_embedded(name_or_path):
+        return
+    path = Path(name_or_path)
+    if not path.exists():
+        if _is_hub_id(name_or_path):
+            return  # from_pretrained fetches it, or says why not (load_model)
+        raise ValueError(f"model {name_or_path} does not exist locally, and is not a Hub id either (a Hub id is "
+                         f"`org/name`, e.g. HuggingFaceTB/SmolLM2-135M-Instruct); pass a local checkpoint folder, "
+                         f"a Hub id, or {EMBEDDED_TARGET}")
+    if not path.is_dir():
+        raise ValueError(f"model {path} is a file; pass the checkpoint's folder (the one that holds config.json)")
+    config = path / "config.json"
+    if config.is_file():
+        try:
+            json.loads(config.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{config} is not valid JSON ({err}): the checkpoint is truncated or corrupt; download "
+                             f"or export it again") from None
+    for weights in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(weights), framework="pt"):
+                pass
+        except (SafetensorError, OSError) as err:
+            raise ValueError(f"{weights} is not a readable safetensors file ({err}): it is truncated or corrupt; "
+                             f"download or export the checkpoint again") from None
+
+
+def context_length(model_or_config) -> int | None:
+    """The positions a loaded model (or a config) declares, max_position_embeddings; None where it declares none."""
+    config = getattr(model_or_config, "config", model_or_config)
+    value = getattr(config, "max_position_embeddings", None)
+    return value if isinstance(value, int) else None
+
+
+def checkpoint_context(name_or_path: str) -> int | None:
+    """The positions a checkpoint declares, read from its config alone (no weights: a serving engine loads those);
+    None where it declares none or its config is not one transformers reads (the engine then checks itself)."""
+    from transformers import AutoConfig
+
+    check_checkpoint(name_or_path)
+    try:
+        config = AutoConfig.from_pretrained(resolve_path(name_or_path))
+    except (OSError, ValueError, KeyError):
+        return None
+    return context_length(config.get_text_config())
+
+
 def _hub_snapshot(name: str) -> str | None:
     """A Hub-hosted draft whose kind loads it itself (a reduced-vocabulary head, an EAGLE-3 draft: not what
     AutoModelForCausalLM reads), downloaded whole so that its id map and weights can be read; None for anything else."""
@@ -147,16 +226,26 @@ def load_model(name_or_path: str, dtype: str | torch.dtype | None = "auto", devi
     (its kind loads it: specdec/draft_registry.py)."""
     device = device if isinstance(device, torch.device) else resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
+    check_checkpoint(name_or_path)
     path = resolve_path(name_or_path)
     path = _hub_snapshot(path) or path
     kind = draft_registry.of_checkpoint(path)
     try:
         model = kind.load(path, torch_dtype)
     except OSError as err:
+        where = "" if Path(path).exists() else " (no such local folder, so it was asked of the Hub)"
+        reason = " ".join(str(err).split())  # one line: the Hub client's messages span several
         raise ValueError(
-            f"could not load model {name_or_path!r}: {err}. Pass a local checkpoint folder, a Hub id reachable "
-            f"from this machine, or {EMBEDDED_TARGET} for the embedded default."
+            f"could not load model {name_or_path!r}{where}: {reason} Pass a local checkpoint folder, a Hub id "
+            f"(`org/name`) reachable from this machine, or {EMBEDDED_TARGET} for the embedded default."
         ) from err
+    except RuntimeError as err:  # weights shaped unlike the config: torch's "size mismatch", transformers' report
+        if "size mismatch" not in str(err) and "ignore_mismatched_sizes" not in str(err):
+            raise
+        first = next((line.strip() for line in str(err).splitlines() if "size mismatch" in line),
+                     "transformers' report above lists the tensors")
+        raise ValueError(f"{path}: the weights do not match its config.json ({first}): the files come from different "
+                         f"models or were edited; download or export the checkpoint again") from None
     return model.to(device).eval()
 
 
@@ -185,6 +274,7 @@ def load_tokenizer(name_or_path: str):
     """Load the tokenizer of a model (Hub id, local path or the embedded alias)."""
     from transformers import AutoTokenizer
 
+    check_checkpoint(name_or_path)
     path = resolve_path(name_or_path)
     try:
         return AutoTokenizer.from_pretrained(path)

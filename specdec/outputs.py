@@ -90,9 +90,10 @@ class DecodeStats:
         return self.emitted / self.row_rounds if self.row_rounds else 0.0
 
     @property
-    def per_position_acceptance(self) -> list[float]:
-        """P(draft token i accepted | tokens < i accepted), i = 1..depth."""
-        return [a / t if t else 0.0 for a, t in zip(self.position_accepted, self.position_tried)]
+    def per_position_acceptance(self) -> list[float | None]:
+        """P(draft token i accepted | tokens < i accepted), i = 1..depth; None where no round reached position i
+        (a rate of nothing is unknown, not 0: every round rejected earlier, or none could propose that far)."""
+        return [a / t if t else None for a, t in zip(self.position_accepted, self.position_tried)]
 
     @property
     def nodes_per_round(self) -> float:
@@ -117,6 +118,16 @@ class DecodeStats:
             "tree": self.tree,
             "tree_nodes": self.tree_nodes,
         }
+
+
+NOT_REACHED = "—"  # a per-position rate where no round reached the position (null in report.json)
+
+
+def position_rates(rates: Sequence[float | None], digits: int = 3, numbered: bool = True) -> str:
+    """Per-position rates as text ("1: 0.812, 2: 0.500, 3: —"), NOT_REACHED where no round reached a position:
+    report.md's and the engine section's one spelling of `per_position_acceptance`."""
+    cells = [NOT_REACHED if a is None else f"{a:.{digits}f}" for a in rates]
+    return ", ".join(f"{i + 1}: {c}" if numbered else c for i, c in enumerate(cells))
 
 
 @dataclass

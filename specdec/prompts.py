@@ -14,7 +14,7 @@ to these keys first, e.g. `{"instruction": "prompt"}`.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ class Prompt:
     prompt_id: str
     category: str | None
     messages: list[dict]
+    line: int | None = field(default=None, compare=False)  # its line in a .jsonl file (for errors that name it)
 
     @property
     def turns(self) -> list[str]:
@@ -114,8 +115,20 @@ def normalise_record(record: dict, index: int, column_map: dict | None = None) -
     return Prompt(prompt_id=prompt_id, category=category, messages=messages)
 
 
-def _read_records(path: Path) -> list[dict]:
-    text = path.read_text(encoding="utf-8")
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        line = path.read_bytes()[: err.start].count(b"\n") + 1
+        raise ValueError(f"prompt file {path} is not UTF-8 text (byte {err.object[err.start]:#04x} on line {line}); "
+                         f"save it as UTF-8, e.g. iconv -f latin1 -t utf-8") from None
+    except OSError as err:
+        raise ValueError(f"could not read prompt file {path}: {err.strerror or err}") from None
+
+
+def _read_records(path: Path) -> list[tuple[int | None, dict]]:
+    """(line number in a .jsonl file, or None in a .json one; record) for each record."""
+    text = _read_text(path)
     if not text.strip():
         raise ValueError(f"prompt file {path} is empty")
     if path.suffix == ".json":
@@ -127,13 +140,13 @@ def _read_records(path: Path) -> list[dict]:
             data = [data]
         if not isinstance(data, list):
             raise ValueError(f"{path}: a .json prompt file must hold a list of records")
-        return data
+        return [(None, record) for record in data]
     records = []
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
+            records.append((lineno, json.loads(line)))
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}: line {lineno} is not valid JSON ({err.msg}); each line must be one "
                              f"JSON object") from err
@@ -143,6 +156,8 @@ def _read_records(path: Path) -> list[dict]:
 def read_prompts(path: str | Path, column_map: dict | None = None, limit: int | None = None) -> list[Prompt]:
     """Read a local .jsonl or .json prompt file into Prompts (ValueError on a missing, empty or bad file)."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"prompt file {path} is a folder; pass a .jsonl/.json file (e.g. {path / 'prompts.jsonl'})")
     if not path.is_file():
         raise ValueError(f"prompt file {path} does not exist; pass a local .jsonl/.json file")
     if path.suffix not in (".jsonl", ".json"):
@@ -152,7 +167,9 @@ def read_prompts(path: str | Path, column_map: dict | None = None, limit: int | 
         raise ValueError(f"prompt file {path} holds no records")
     if limit is not None:
         records = records[:limit]
-    prompts = [normalise_record(r, i, column_map) for i, r in enumerate(records)]
+    prompts = [normalise_record(r, i, column_map) for i, (_, r) in enumerate(records)]
+    for prompt, (line, _) in zip(prompts, records):
+        prompt.line = line
     ids = [p.prompt_id for p in prompts]
     if len(set(ids)) != len(ids):
         dup = next(i for i in ids if ids.count(i) > 1)
@@ -175,3 +192,29 @@ def encode_prompt(tokenizer, messages: list[dict], use_chat_template: bool = Tru
         return [int(i) for i in ids]
     text = "\n\n".join(m["content"] for m in messages)
     return [int(i) for i in tokenizer(text)["input_ids"]]
+
+
+def check_prompt_lengths(prompts: list[Prompt], encoded: list[list[int]], max_new_tokens: int,
+                         contexts: dict[str, int | None], source: str | Path) -> None:
+    """Before any forward: a ValueError naming the first prompt whose tokens plus max_new_tokens do not fit the
+    smallest of `contexts` (a model's name -> its context in positions; None: not declared), with its length and the
+    fix. A decoder only finds out after a forward over the whole prompt, which for a long one takes minutes."""
+    known = {name: n for name, n in contexts.items() if n is not None}
+    if not known:
+        return
+    model, context = min(known.items(), key=lambda item: item[1])
+    room = context - max_new_tokens  # the longest prompt that fits
+    too_long = [i for i, ids in enumerate(encoded) if len(ids) > room]
+    if not too_long:
+        return
+    i = too_long[0]
+    p, n = prompts[i], len(encoded[i])
+    where = f"line {p.line} of {source}" if p.line is not None else f"record {i} of {source}"
+    if room < 1:
+        fix = f"lower max_new_tokens below {context}"
+    else:
+        fix = f"drop it from the file, shorten it to at most {room:,} tokens"
+        fix += f", or lower max_new_tokens to at most {context - n:,}" if n < context else ""
+    more = f" ({len(too_long) - 1} more prompt(s) are too long as well)" if len(too_long) > 1 else ""
+    raise ValueError(f"prompt {p.prompt_id} ({where}) has {n:,} tokens: with max_new_tokens={max_new_tokens} it needs "
+                     f"{n + max_new_tokens:,} positions, more than {model}'s context of {context:,}; {fix}{more}")

@@ -6,6 +6,7 @@ softmax runs in float32 whatever the models' dtype.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,10 @@ class SamplingConfig:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
+        # nan fails no comparison below and would reach torch.multinomial as a table of nans; inf flattens p to uniform
+        for name in ("temperature", "top_p"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k < 0:

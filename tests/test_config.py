@@ -89,3 +89,24 @@ def test_a_recipe_is_a_path_or_a_shipped_recipes_name(tmp_path, monkeypatch):
         with pytest.raises(ValueError, match="smollm2-135m-quick"):  # the error lists the shipped names
             recipe_file(missing)
     assert load_config(Cfg, "smollm2-135m-quick").target == "embedded:smollm2-135m-instruct"
+
+
+@dataclass
+class Paths:
+    out: str | None = None
+    output_dir: str | None = None
+    note: str | None = None
+    rate: float = 0.5
+
+
+def test_home_in_a_path_key_is_a_folder_and_nan_is_refused(tmp_path):
+    home = str(Path.home())
+    cfg = load_config(Paths, write(tmp_path, "eval:\n  out: ~/reports\n"), ["output_dir=~", "note=~"], "eval")
+    assert (cfg.out, cfg.output_dir, cfg.note) == (f"{home}/reports", home, None)  # note is no path: ~ is null
+    for text in ("rate=nan", "rate=.inf", "rate=-.inf"):
+        with pytest.raises(ValueError, match="rate: expected a finite number"):
+            load_config(Paths, None, [text])
+    with pytest.raises(ValueError, match=r"recipe.yaml is not valid YAML at line 2, column \d+"):
+        load_config(Paths, write(tmp_path, "seed: 1\neval: {rate: [1, 2}\n"))
+    with pytest.raises(ValueError, match="is a folder"):
+        load_config(Paths, tmp_path)

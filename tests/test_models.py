@@ -85,6 +85,26 @@ def test_bf16_if_native_follows_the_cpu(monkeypatch, native):
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32  # auto stays float32 on a CPU (exactness)
 
 
+@pytest.mark.parametrize("flags", [True, False])
+@pytest.mark.parametrize("setting, expected", [("on", True), (" ON ", True), ("off", False), ("auto", None),
+                                               ("", None)])
+def test_specdec_cpu_bf16_forces_the_answer_or_reads_the_cpu(monkeypatch, flags, setting, expected):
+    """on/off replace the CPU's flags in every choice made from them; auto (or unset) reads the flags."""
+    monkeypatch.setattr(models, "cpu_flags_have_bf16", lambda: flags)
+    monkeypatch.setenv(models.CPU_BF16_ENV, setting)
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    native = flags if expected is None else expected
+    assert models.cpu_has_native_bf16() is native
+    assert resolve_dtype("bf16-if-native", torch.device("cpu")) == (torch.bfloat16 if native else torch.float32)
+    assert models.resolve_mixed_precision("auto", "cpu") == ("bf16" if native else "no")
+
+
+def test_specdec_cpu_bf16_refuses_other_values(monkeypatch):
+    monkeypatch.setenv(models.CPU_BF16_ENV, "yes")
+    with pytest.raises(ValueError, match="SPECDEC_CPU_BF16='yes': use on, off or auto"):
+        models.cpu_has_native_bf16()
+
+
 def test_unknown_dtype_names_the_choices():
     with pytest.raises(ValueError, match="bf16-if-native"):
         resolve_dtype("bf15")

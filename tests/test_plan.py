@@ -3,8 +3,10 @@ training steps, its parameter counts against the modules, the refusal of a run t
 
 A measured step runs in a child process (this file run as a script) with glibc's mmap threshold fixed, so that
 freed blocks go back to the system and the resident set follows the live tensors: the peak RSS of one
-optimizer step (after a first step has made AdamW's state) over the RSS just before it is what the step adds,
-the plan's gradients + autocast copies + activations.
+optimizer step (after a first step on the same batch has made AdamW's state) over the RSS just before it is what
+the step adds, the plan's gradients + autocast copies + activations. The first step at a batch width adds more
+on a CPU with native bf16, under bf16 autocast: oneDNN's kernels for its shapes, which the process then keeps
+(the plan's resident "oneDNN kernel caches", measured on its own below).
 """
 
 from __future__ import annotations
@@ -128,8 +130,9 @@ def measure_step(shape: dict) -> int:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    # A first step on a short slice makes AdamW's state (and every lazy buffer), as any later step finds them.
-    step({k: v[:1, :16] for k, v in batch.items()})
+    # A first step on the same batch makes AdamW's state, every lazy buffer and oneDNN's kernels for the step's
+    # shapes (bf16 autocast on a CPU with native bf16: tens of MiB, kept), as any later step at that width finds them.
+    step(batch)
     gc.collect()
     try:
         Path("/proc/self/clear_refs").write_text("5")  # resets the peak RSS (VmHWM) to the current RSS
@@ -193,6 +196,54 @@ def measured() -> dict[str, int]:
 def test_activation_plan_within_20_percent_of_the_measured_step(name, measured):
     got, want = measured[name], planned_step(SHAPES[name])
     assert 0.8 * got <= want <= 1.2 * got, f"{name}: planned {want / 2**20:.1f} MiB, measured {got / 2**20:.1f} MiB"
+
+
+def measure_onednn_shape_bytes(shapes: int = 48) -> float:
+    """The resident bytes each new matmul shape adds under bf16 autocast on a CPU (oneDNN's compiled kernels, kept
+    in its caches): the RSS after `shapes` distinct row counts over the RSS before, per shape."""
+    w, x = torch.randn(64, 64), torch.randn(16 + shapes, 64)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        x[:3] @ w  # oneDNN's one-off set-up
+        gc.collect()
+        before = _status("VmRSS")
+        for rows in range(16, 16 + shapes):
+            x[:rows] @ w
+    return (_status("VmRSS") - before) / shapes
+
+
+def test_onednn_kernel_caches_hold_what_bf16_matmul_shapes_keep(monkeypatch):
+    """The resident term for a CPU run under bf16 autocast: its per-shape bytes against the RSS that new matmul
+    shapes keep, within 20% where oneDNN runs bf16 natively (the CPU's flags, not SPECDEC_CPU_BF16, which changes
+    what specdec chooses and not which kernels oneDNN runs; and oneDNN's own answer, which ONEDNN_MAX_CPU_ISA can
+    lower), an upper bound elsewhere; its capacity from the libraries' variables; no such term in float32 or on
+    CUDA."""
+    from specdec.models import cpu_flags_have_bf16
+    from specdec.train.plan.memory import ONEDNN_CACHE_CAPACITY
+
+    onednn_bf16 = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
+    for name in ONEDNN_CACHE_CAPACITY:
+        env.pop(name, None)
+        monkeypatch.delenv(name, raising=False)
+    out = subprocess.run([sys.executable, __file__, "onednn"], capture_output=True, text=True, env=env, cwd=ROOT,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    measured = float(out.stdout.strip().splitlines()[-1])
+    target = plan.config_from_dict(tiny_target(64, 4, 2, 128, 512))
+
+    def caches(device_type: str = "cpu", precision: str = "bf16") -> float:
+        p = plan.plan_run(eagle3_cfg(1, 256, 2, 64), target, device_type=device_type, mixed_precision=precision)
+        return sum(t.bytes for t in p.resident if t.name == "oneDNN kernel caches")
+
+    per_shape = caches() / 1024
+    assert measured <= 1.2 * per_shape, f"measured {measured / 1024:.0f} KiB a shape"
+    if cpu_flags_have_bf16() and onednn_bf16():
+        assert measured >= 0.8 * per_shape, f"measured {measured / 1024:.0f} KiB a shape"
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "64")
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16")
+    assert caches() == 64 * per_shape
+    assert caches(precision="no") == caches(device_type="cuda") == 0
 
 
 # ---- pure parts ---------------------------------------------------------------------------------------------
@@ -301,4 +352,7 @@ def test_split_plan_args_and_the_cli(tmp_path, capsys):
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    print(json.dumps({name: measure_step(shape) for name, shape in json.loads(sys.argv[1]).items()}))
+    if sys.argv[1] == "onednn":
+        print(measure_onednn_shape_bytes())
+    else:
+        print(json.dumps({name: measure_step(shape) for name, shape in json.loads(sys.argv[1]).items()}))

@@ -104,14 +104,20 @@ def test_full_export_is_a_plain_checkpoint_and_an_exact_assistant(full_dir, tmp_
 
 def test_out_must_be_new_or_overwritten(full_dir, tmp_path):
     out = tmp_path / "pub"
-    out.mkdir()
-    (out / "keep.txt").write_text("user data")
-    with pytest.raises(ValueError, match="overwrite=true"):
+    pub.publish(_cfg(full_dir, out))
+    (out / "stale.txt").write_text("left by an earlier export")
+    with pytest.raises(ValueError, match="earlier export.*overwrite=true"):
         pub.publish(_cfg(full_dir, out))
-    assert (out / "keep.txt").read_text() == "user data"
+    assert (out / "stale.txt").is_file()
     pub.publish(_cfg(full_dir, out, overwrite=True))
-    assert (out / "README.md").is_file() and not (out / "keep.txt").exists()
+    assert (out / "README.md").is_file() and not (out / "stale.txt").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pub"], "no temporary or old folders left behind"
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "keep.txt").write_text("user data")
+    with pytest.raises(ValueError, match="did not write"):
+        pub.publish(_cfg(full_dir, foreign, overwrite=True))
+    assert (foreign / "keep.txt").read_text() == "user data"
 
 
 def test_empty_out_folder_is_fine_and_out_cannot_hold_the_draft(full_dir, tmp_path):
@@ -132,7 +138,7 @@ def test_tokenizer_taken_from_target_or_clear_error(tmp_path, tok):
     assert AutoTokenizer.from_pretrained(out).get_vocab() == tok.get_vocab()
     card = (out / "README.md").read_text()
     assert "base_model" not in _front_matter(card), "a local target is not a Hub id"
-    assert str(target_dir) in card
+    assert f"`{target_dir.name}`" in card and str(tmp_path) not in card, "a local target by its folder's name"
 
     other = tiny_tokenizer()
     other.add_special_tokens({"additional_special_tokens": ["<extra>"]})
@@ -399,7 +405,8 @@ def test_cli_flags_and_recipe(reduced_dir, tmp_path):
     assert pub.main(argv) == 0
     card = (out / "README.md").read_text()
     assert _front_matter(card)["license"] == "mit"
-    assert str(recipe) in card and "prompts=shared/prompts.jsonl, samples=50" in card
+    assert "`recipe.yaml`" in card and "prompts=shared/prompts.jsonl, samples=50" in card
+    assert str(tmp_path) not in card, "no local absolute path in the card"
     assert "Expanded vocabulary head" in card
 
     from specdec.cli import main as cli_main

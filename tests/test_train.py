@@ -180,12 +180,28 @@ def test_max_minutes_stops_early_with_the_schedule_ending_there(workspace, tmp_p
     assert summary["stopped_by"] == "max_minutes" and 1 <= summary["steps"] < 200
     assert summary["train_minutes"] < 0.6  # 30 ticks, plus the few readings of the final evaluation and save
     checkpoint = tmp_path / "run" / "checkpoints" / f"step-{summary['steps']}"
-    scheduler = torch.load(checkpoint / "custom_checkpoint_0.pkl", weights_only=False)  # registered for checkpointing
+    scheduler = json.loads((checkpoint / "trainer_state.json").read_text())["scheduler"]  # JSON, never a pickle
     assert scheduler["lr_lambdas"][0]["end"] == summary["steps"] and scheduler["_last_lr"] == [0.0]
     # A resume counts the earlier run's time (train_seconds in the checkpoint) and keeps the end it reached.
     distill.run(dataclasses.replace(cfg, resume_from="latest"))
     again = json.loads((tmp_path / "run" / "train_summary.json").read_text())
     assert again["steps"] == summary["steps"] and again["train_minutes"] > summary["train_minutes"]
+
+
+def test_a_resumed_run_ends_exactly_where_the_uninterrupted_one_does(workspace, tmp_path):
+    """Resumed from its step-2 checkpoint, whose schedule is JSON in trainer_state.json (no pickle of specdec's), a
+    run ends with the uninterrupted run's weights, schedule and samples consumed."""
+    cfg = _cfg(workspace, tmp_path / "whole", max_steps=4, save_every=2, eval_every=0, record_consumed=True)
+    whole = distill.run(cfg)
+    step2 = tmp_path / "whole" / "checkpoints" / "step-2"
+    assert not list(step2.glob("custom_checkpoint_*")) and checkpoints.checkpoint_problem(step2) is None
+    resumed = distill.run(dataclasses.replace(cfg, output_dir=str(tmp_path / "resumed"), resume_from=str(step2)))
+    a, b = (load_model(str(p), dtype="float32", device="cpu").state_dict() for p in (whole, resumed))
+    for name, value in a.items():
+        assert torch.equal(value, b[name]), name
+    states = [checkpoints.read_state(tmp_path / run / "checkpoints" / "step-4") for run in ("whole", "resumed")]
+    assert states[0]["scheduler"] == states[1]["scheduler"] and states[0]["run_id"] == states[1]["run_id"]
+    assert _consumed(tmp_path / "resumed") == _consumed(tmp_path / "whole")[2:]  # steps 3 and 4, the same samples
 
 
 def test_offline_topn_reduced_vocab_jsd(workspace, tmp_path):
@@ -375,9 +391,13 @@ def _logged_losses(text: str) -> list[float]:
 
 def test_eagle3_in_two_processes_trains_exactly_as_one(workspace, tmp_path, caplog):
     """draft=eagle3 under `accelerate launch` with two gloo processes equals one process at the same global batch:
-    per-step losses, final weights and the held-out figures (each process scores half, merged)."""
+    per-step losses, final weights and the held-out figures (each process scores half, merged). Both run in
+    float32 (mixed_precision=no): the claim is equality up to the order of float32 sums (two processes each sum
+    half the batch, then all-reduce), and mixed_precision=auto would pick bf16 on a CPU with native bf16 in the
+    single process only (accelerate launch's flag reaches the two), adding bf16's rounding to one side."""
     train = dict(draft="eagle3", eagle_aux_layer_ids=[1], draft_vocab_size=40, teacher="online", ttt_steps=2,
-                 max_steps=3, eval_every=0, save_every=0, learning_rate=1e-2, max_grad_norm=0.5)
+                 max_steps=3, eval_every=0, save_every=0, learning_rate=1e-2, max_grad_norm=0.5,
+                 mixed_precision="no")
     recipe = _recipe(workspace, tmp_path / "two.yaml", tmp_path / "two", **train)
     proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",

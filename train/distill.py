@@ -31,15 +31,16 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object, set_seed
+from accelerate.utils import broadcast_object_list, gather_object, set_seed
 from tqdm.auto import tqdm
 
 from specdec import draft_registry
-from specdec.config import config_from_cli, help_text, to_dict
+from specdec.cli import command_help
+from specdec.config import config_from_cli, to_dict, wants_help
 from specdec.models import load_model, load_tokenizer, resolve_mixed_precision
 from specdec.tokens import tokenizer_pad_id
+from specdec.train import checkpoints, optim, plan
 from specdec.train import draft as draft_lib
-from specdec.train import optim, plan
 from specdec.train.batches import (
     CountFrom,
     MicroBatches,
@@ -52,7 +53,7 @@ from specdec.train.batches import (
     to_device,
 )
 from specdec.train.budget import TimeBudget
-from specdec.train.checkpoints import ConsumedLog, export_draft, latest_checkpoint, save_checkpoint
+from specdec.train.checkpoints import ConsumedLog, export_draft, save_checkpoint
 from specdec.train.data import read_manifest
 from specdec.train.draft import DERIVED, SCRATCH
 from specdec.train.train_config import TEACHERS, TrainConfig  # noqa: F401  (its home for callers)
@@ -151,19 +152,45 @@ class Distiller:
         accelerate."""
         optimizer, self.scheduler = optim.build(self.cfg, self.model)
         self.model, self.optimizer = self.accelerator.prepare(self.model, optimizer)
-        # Not prepared: accelerate would step it once per process; it is stepped once per optimizer step.
-        self.accelerator.register_for_checkpointing(self.scheduler)
+        # Not prepared (accelerate would step it once per process; it is stepped once per optimizer step) and not
+        # registered for checkpointing (accelerate would pickle it): its state is JSON in trainer_state.json.
+
+    def claim_output_dir(self) -> None:
+        """Before anything loads: the checkpoint to resume (checked), or a fresh start where no other run's
+        results are (overwrite=true: what specdec wrote there removed first); the run id every checkpoint and
+        the output_dir's marker carry, so that pruning and `latest` see this run's steps only."""
+        cfg, acc = self.cfg, self.accelerator
+        removals = []
+        if cfg.resume_from:
+            unsafe = checkpoints.unsafe_resume_loader(acc)
+            if unsafe and not cfg.trust_checkpoint:
+                raise ValueError(f"resume_from={cfg.resume_from} refused: {unsafe}, so resuming could run code a "
+                                 "checkpoint holds; resume under DDP or FSDP with fsdp_state_dict_type: "
+                                 "FULL_STATE_DICT (recipes/accelerate/multi_gpu.yaml, fsdp.yaml), or pass "
+                                 "trust_checkpoint=true for a checkpoint you wrote yourself")
+            if unsafe:
+                log.warning("trust_checkpoint=true: resuming %s with a loader that unpickles (%s)", cfg.resume_from,
+                            unsafe)
+            self.resume_ckpt = checkpoints.find_resume_checkpoint(self.out, cfg.resume_from)
+            self.run_id = checkpoints.read_state(self.resume_ckpt)["run_id"]
+        else:
+            self.resume_ckpt = None
+            removals = checkpoints.fresh_start_removals(self.out, cfg.overwrite)
+            self.run_id = broadcast_object_list([checkpoints.new_run_id()])[0]
+        acc.wait_for_everyone()  # every process has looked before the main one removes anything
+        if self.main:
+            if removals:
+                log.info("starting afresh in %s: removing what earlier runs of specdec train wrote there", self.out)
+            checkpoints.remove_outputs(self.out, removals)
+            checkpoints.write_marker(self.out, self.run_id)
+        acc.wait_for_everyone()
 
     def resume(self) -> None:
         """Continue from `resume_from` (the training state, the best so far and the time spent), if asked."""
         cfg = self.cfg
-        if cfg.resume_from:
-            ckpt = latest_checkpoint(self.ckpt_root) if cfg.resume_from == "latest" else Path(cfg.resume_from)
-            if ckpt is None or not (ckpt / "trainer_state.json").is_file():
-                raise ValueError(f"no complete checkpoint to resume from ({cfg.resume_from!r} under "
-                                 f"{self.ckpt_root}); drop resume_from to start afresh")
-            self.accelerator.load_state(str(ckpt))
-            state = json.loads((ckpt / "trainer_state.json").read_text())
+        ckpt = self.resume_ckpt
+        if ckpt is not None:
+            state = checkpoints.load_checkpoint(self.accelerator, ckpt, self.scheduler)
             self.start_step, self.best = state["step"], state["best"]
             self.flat_evals = state.get("flat_evals", 0)
             self.budget.resume(state.get("train_seconds", 0.0))
@@ -263,7 +290,7 @@ class Distiller:
 
     def save(self, step: int) -> None:
         state = {"step": step, "best": _jsonable(self.best), "train_seconds": self.budget.spent(),
-                 "flat_evals": self.flat_evals}
+                 "flat_evals": self.flat_evals, "run_id": self.run_id, "scheduler": self.scheduler.state_dict()}
         save_checkpoint(self.accelerator, self.ckpt_root, step, state, self.cfg.keep_checkpoints)
 
     def aim_end(self, step: int, end: int) -> int:
@@ -294,6 +321,7 @@ class Distiller:
         cfg = self.cfg
         # Before anything loads: a run that cannot fit stops here, with the fix (train/plan/).
         plan.check_run(cfg, self.device, self.accelerator.mixed_precision, self.world, self.main)
+        self.claim_output_dir()
         self.setup_data()
         self.setup_models()
         self.setup_optim()
@@ -367,10 +395,8 @@ def run(cfg: TrainConfig) -> Path:
 
 def main(argv: list[str]) -> int:
     """`specdec train` / `python -m specdec.train` / `accelerate launch -m specdec.train`."""
-    if any(a in ("-h", "--help") for a in argv):
-        print(help_text(TrainConfig, "specdec train --config recipes/X.yaml [key=value ...] [--key value ...]",
-                        "train: options (recipe section `train:` plus the shared keys)"))
-        print(plan.help_lines())
+    if wants_help(argv):
+        print(command_help("train"))
         return 0
     options, argv = plan.split_plan_args(argv)
     cfg = config_from_cli(TrainConfig, argv, section="train")

@@ -12,6 +12,12 @@ STANDALONE`); its reduced-vocabulary head is exported with its id map (specdec o
 by its kind (specdec/draft_kind.py) in one of its layouts (`format=`): an EAGLE-3 draft in the layout vLLM
 (`"method": "eagle3"`) and SGLang (`--speculative-algorithm EAGLE3`) both load, or speculators', its reduced
 vocabulary as the engines' d2t (specdec/eagle3/formats.py). OUT is written to a temporary folder and renamed.
+
+OUT may be replaced only when it is empty or an earlier export (it holds specdec_publish.json), with
+overwrite=true for the latter; never a home folder, the current folder or a folder above either
+(specdec/overwrite.py). Its files are 0644 and its folders 0755, and nothing in it names a local absolute path:
+a local path is written relative to the current folder when it lies inside it, else as its last part. (One
+exception, not pushed: the speculators layout's verifier, a local target's path, which its loaders open.)
 """
 
 from __future__ import annotations
@@ -20,17 +26,19 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 import specdec
 from specdec import draft_registry, models, vocab
+from specdec.cli import command_help
 from specdec.compat import check_compatible
-from specdec.config import config_from_cli, read_recipe, split_cli
+from specdec.config import config_from_cli, read_recipe, split_cli, wants_help
 from specdec.draft_kind import DraftKind, PublishContext
+from specdec.overwrite import check_replaceable, replace_folder_atomically, set_modes, temp_sibling
 from specdec.train.model_card import LEAK_WARNING, CardInfo, num_draft_tokens, render_card
 
 log = logging.getLogger(__name__)
@@ -53,7 +61,7 @@ class PublishConfig:
     """Options of `specdec publish` (recipe section `publish:`)."""
 
     draft: str = ""  # the trained draft's checkpoint folder
-    out: str = ""  # the folder to write (must not exist or be empty, unless overwrite=true)
+    out: str = ""  # the folder to write (new or empty; an earlier export with overwrite=true)
     report: str | None = None  # `specdec eval` report.json whose figures go into the card
     target: str | None = None  # the target the draft was aligned to (default: the report's target)
     recipe: str | None = None  # recipe named in the card (default: the --config path)
@@ -62,7 +70,7 @@ class PublishConfig:
     private: bool = False  # create the Hub repo private
     full_vocab_head: bool = False  # expand a reduced-vocabulary head so stock engines load the draft
     license: str = "apache-2.0"  # the card's license: match the target's
-    overwrite: bool = False  # replace a non-empty OUT
+    overwrite: bool = False  # replace an earlier export in OUT (a folder holding specdec_publish.json)
     dtype: str = "auto"  # export dtype; auto keeps the checkpoint's own
     # The layout, one of the draft kind's (specdec/draft_kind.py: formats). An EAGLE-3 draft's: engines (what vLLM
     # `"method": "eagle3"` and SGLang `EAGLE3` load) or speculators (vLLM speculators' own format: `vllm serve OUT`
@@ -249,17 +257,19 @@ def _check_target_tokenizer(tokenizer, target: str) -> None:
     check_compatible(models.load_tokenizer(target), tokenizer)
 
 
-def _check_paths(draft_dir: Path, out: Path, overwrite: bool) -> None:
+def _check_paths(draft_dir: Path, given_out: str, overwrite: bool) -> None:
+    """The draft is a checkpoint; OUT (as the user wrote it) is new, empty, or an earlier export to overwrite."""
     if not (draft_dir / "config.json").is_file():
         raise ValueError(f"--draft {draft_dir} is not a checkpoint folder (no config.json); pass the folder "
                          "specdec train wrote")
+    out = Path(given_out).expanduser()
     d, o = draft_dir.resolve(), out.resolve()
     if o == d or o in d.parents:
         raise ValueError(f"--out {out} would contain or replace the draft {draft_dir}; choose another folder")
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} exists and is not a folder")
+    check_replaceable(given_out, (PROVENANCE_FILE,), "--out")  # a home folder, the current folder, foreign files
     if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ValueError(f"--out {out} exists and is not empty; choose a new folder or pass overwrite=true")
+        raise ValueError(f"--out {out} holds an earlier export; pass overwrite=true to replace it, or choose a "
+                         "new folder")
 
 
 def _fill_generation_config(model, tokenizer) -> None:
@@ -272,21 +282,33 @@ def _fill_generation_config(model, tokenizer) -> None:
             setattr(gen, name, getattr(tokenizer, name))
 
 
-def _replace_folder(tmp: Path, out: Path) -> None:
-    """Move the finished `tmp` to `out`, keeping the old `out` until the new one is in place."""
-    old = None
-    if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        os.replace(out, old / out.name)
-    try:
-        os.replace(tmp, out)
-    except OSError:
-        if old is not None:
-            os.replace(old / out.name, out)
-        raise
-    finally:
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+# An absolute local path inside a text: at its start or after a space, quote, bracket, `=`, `:` or `,` (a URL's
+# `//` and a ratio's `tok/s` are not), starting with `/` or `~/` and a name character.
+_LOCAL_PATH = re.compile(r"(?:^|(?<=[\s\"'=(\[{,:]))(~?/[\w.@+-][^\s\"',;:)\]}]*)")
+
+
+def public_path(value: str) -> str:
+    """A local absolute path as the published folder may name it: relative to the current folder when inside
+    it (runs/draft), else its last part; anything else (a Hub id, a relative path) unchanged."""
+    path = Path(value).expanduser()
+    if not value.startswith(("/", "~")) or not path.is_absolute():
+        return value
+    cwd = Path.cwd()
+    for candidate in (path, path.resolve()):
+        if candidate.is_relative_to(cwd):
+            return str(candidate.relative_to(cwd)) or "."
+    return path.name or value
+
+
+def scrub_paths(value):
+    """`value` (a report: dicts, lists, strings) with every absolute local path in its strings made public."""
+    if isinstance(value, dict):
+        return {key: scrub_paths(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [scrub_paths(item) for item in value]
+    if isinstance(value, str):
+        return _LOCAL_PATH.sub(lambda m: public_path(m.group(1)), value)
+    return value
 
 
 def push_to_hub(folder: Path, repo_id: str, private: bool = False) -> str:
@@ -310,9 +332,10 @@ def push_to_hub(folder: Path, repo_id: str, private: bool = False) -> str:
 def publish(cfg: PublishConfig) -> Path:
     """Export `cfg.draft` to `cfg.out` as a plain HF checkpoint with README.md; push it when asked. Returns OUT."""
     draft_dir, out = Path(cfg.draft).expanduser(), Path(cfg.out).expanduser()
-    _check_paths(draft_dir, out, cfg.overwrite)
+    _check_paths(draft_dir, cfg.out, cfg.overwrite)
     report = _read_report(cfg.report)
     target = _target_of(cfg, report)
+    report = scrub_paths(report)  # the card's figures and the copied report name no local folder
     tokenizer = _load_tokenizer(draft_dir, target)
     _check_target_tokenizer(tokenizer, target)
     dtype = _checkpoint_dtype(draft_dir) if cfg.dtype == "auto" else models.resolve_dtype(cfg.dtype)
@@ -323,7 +346,7 @@ def publish(cfg: PublishConfig) -> Path:
     save_options = _save_options(cfg, kind, target, report)
     _fill_generation_config(model, tokenizer)
     info = _card_info(cfg, out, model, target, dtype, (head, num_kept, expansion), kind)
-    provenance = {"source": str(draft_dir), "target": target, "recipe": info.recipe, "data": info.data,
+    provenance = {"source": public_path(str(draft_dir)), "target": public_path(target), "recipe": info.recipe, "data": info.data,
                   "head": head, "draft_vocab_size": num_kept, "expansion": expansion,
                   "specdec_version": specdec.__version__}
     _write_folder(out, model, tokenizer, save_options, render_card(info, report), report, provenance)
@@ -381,7 +404,17 @@ def _save_options(cfg: PublishConfig, kind: DraftKind, target: str, report: dict
                          "drop format= to publish the default")
 
     def verifier() -> str:  # resolving the embedded target converts it: only when a layout names it
-        return _base_model(target) or str(Path(models.resolve_path(target)).resolve())
+        hub_id = _base_model(target)
+        if hub_id is not None:
+            return hub_id
+        # A local target: the loaders (speculators, `vllm serve OUT`) open the verifier from this path, so the
+        # folder keeps it whole; pushed, it is the folder's name, and the loader must be told the target's Hub id.
+        local = str(Path(models.resolve_path(target)).resolve())
+        if not cfg.push_to_hub:
+            return local
+        log.warning("the %s layout names its verifier, the local target %s, as %r on the Hub: set "
+                    "verifier.name_or_path in config.json to the target's Hub id", cfg.format, target, public_path(local))
+        return public_path(local)
 
     return {"format": cfg.format, "context": PublishContext(verifier, num_draft_tokens(report))}
 
@@ -390,14 +423,16 @@ def _card_info(cfg: PublishConfig, out: Path, model, target: str, dtype, head_fa
     """The card's facts: the checkpoint's, the head's (head, kept ids, expansion check) and the kind's."""
     head, num_kept, expansion = head_facts
     return CardInfo(
-        name=cfg.push_to_hub or out.name, model_ref=cfg.push_to_hub or str(out), target=target,
-        target_ref=_base_model(target) or target, base_model=_base_model(target),
+        name=cfg.push_to_hub or out.resolve().name, model_ref=cfg.push_to_hub or public_path(str(out.absolute())),
+        target=public_path(target), target_ref=_base_model(target) or public_path(target),
+        base_model=_base_model(target),
         architecture=(model.config.architectures or [type(model).__name__])[0],
         num_layers=int(model.config.num_hidden_layers), hidden_size=int(model.config.hidden_size),
         num_parameters=sum(p.numel() for p in model.parameters()), dtype=str(dtype).removeprefix("torch."),
         vocab_size=int(model.get_input_embeddings().num_embeddings),
         head=head, draft_vocab_size=num_kept, expansion=expansion,
-        recipe=cfg.recipe, data=cfg.data or _recipe_data(cfg.recipe), license=cfg.license.strip(),
+        recipe=cfg.recipe and public_path(cfg.recipe), data=scrub_paths(cfg.data or _recipe_data(cfg.recipe)),
+        license=cfg.license.strip(),
         model_on_hub=cfg.push_to_hub is not None, format=cfg.format,
         method=kind.vllm_method, sglang_algorithm=kind.sglang_algorithm, engines_map_vocabulary=kind.maps_vocabulary,
         **kind.card_facts(model),
@@ -407,26 +442,27 @@ def _card_info(cfg: PublishConfig, out: Path, model, target: str, dtype, head_fa
 def _write_folder(out: Path, model, tokenizer, save_options: dict, card: str, report: dict | None,
                   provenance: dict) -> None:
     """Everything into a temporary folder beside OUT, then swapped in: a failed export leaves OUT as it was."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp = temp_sibling(out)
     try:
         models.save_model(model, tokenizer, tmp, **save_options)  # weights, config, tokenizer (+ a plain id map)
         (tmp / "README.md").write_text(card)
         if report is not None:
             (tmp / "specdec_eval_report.json").write_text(json.dumps(report, indent=2))
         (tmp / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2))
-        _replace_folder(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        set_modes(tmp)  # 0755 / 0644 as any model folder, whatever the umask
+    except BaseException as err:
+        shutil.rmtree(tmp, ignore_errors=True)  # OUT is untouched
+        if isinstance(err, OSError):  # a full disk, a read-only folder: say where, not a traceback
+            raise ValueError(f"could not write the export beside --out {out} ({err}); nothing changed there: "
+                             "check free space and permissions, then retry") from err
+        raise
+    replace_folder_atomically(tmp, out)  # which deletes tmp itself if the swap fails
 
 
 def main(argv: list[str]) -> int:
     """`specdec publish [--config R] --draft DIR --out OUT [--report R] [--push-to-hub REPO [--private]]`."""
-    if any(arg in ("-h", "--help") for arg in argv):
-        print(__doc__.strip())
-        print("\noptions (--key value or key=value):")
-        for field in dataclasses.fields(PublishConfig):
-            print(f"  --{field.name.replace('_', '-'):<18} default {field.default!r}")
+    if wants_help(argv):
+        print(command_help("publish"))
         return 0
     cfg = config_from_cli(PublishConfig, argv, section="publish")
     recipe_path = split_cli(argv, PublishConfig)[0]

@@ -23,23 +23,36 @@ TEACHERS = ("online", "offline", "on_policy")
 class TrainConfig:
     """The `train:` section of a recipe (plus the shared keys). See recipes/*.yaml for worked examples."""
 
-    # shared keys
-    target: str = EMBEDDED_TARGET
-    draft: str = DERIVED  # derived | eagle3 | scratch | Hub id / local path of a pretrained small model
-    seed: int = 0
+    # --- shared keys
+    target: str = EMBEDDED_TARGET  # the target: Hub id, local checkpoint folder or embedded:smollm2-135m-instruct
+    # The draft to train: derived (a few of the target's layers, draft_layers), eagle3 (an EAGLE-3 layer reading
+    # the target's hidden states), scratch (the target's config with draft_config, random layers), or the Hub id /
+    # local path of a pretrained small model with the target's tokenizer.
+    draft: str = DERIVED
+    seed: int = 0  # seeds the new weights, the batch order and on-policy sampling
+    # The run's folder: checkpoints/, best/ (the best held-out tau), final/ (the draft), eval.jsonl,
+    # train_summary.json; the data folders default to <output_dir>/data and <output_dir>/data_heldout.
     output_dir: str = "runs/smollm2-135m"
-    device: str = "auto"
-    dtype: str = "auto"  # the target's dtype (the draft trains in float32 + mixed precision)
-    report_to: str = "none"  # none | wandb
-    run_name: str = ""
-    # data (folders written by `specdec data`; "" = <output_dir>/data and <output_dir>/data_heldout)
+    device: str = "auto"  # auto: accelerate's device (the launch's GPU, else the CPU); cpu: the CPU even with a GPU
+    # The target's dtype: auto (bfloat16 on CUDA, float32 on a CPU), float32, bfloat16, float16 or bf16-if-native.
+    # The draft trains in float32 under mixed_precision.
+    dtype: str = "auto"
+    # none | wandb: log loss, learning rate, tokens/s and held-out figures to wandb (pip install specdec[wandb]).
+    report_to: str = "none"
+    run_name: str = ""  # the wandb run's name (report_to=wandb); "" = wandb's own
+    # --- data (folders written by `specdec data`; "" = <output_dir>/data and <output_dir>/data_heldout)
     train_data: str = ""  # `specdec data` folder(s), comma-separated; default <output_dir>/data
+    # `specdec data` folder scored every eval_every steps; default <output_dir>/data_heldout where it exists, else
+    # a heldout_fraction split of the training data.
     heldout_data: str = ""
-    heldout_fraction: float = 0.05  # split off by prompt_id when there is no held-out folder
-    max_length: int = 1024
-    # draft construction
+    heldout_fraction: float = 0.05  # share of prompts (hashed prompt_id) held out when there is no held-out folder
+    max_length: int = 1024  # tokens per sample (prompt + completion) the draft reads; longer samples are cut
+    # --- draft construction
+    # draft=derived: the target's layers the draft keeps, in order (negatives count from the end), with the
+    # target's embeddings, final norm and head.
     draft_layers: list[int] = field(default_factory=lambda: [0, 1, -1])
-    draft_config: dict = field(default_factory=dict)  # overrides of the target config for draft=scratch
+    # draft=scratch: overrides of the target's config, e.g. {num_hidden_layers: 2} (hidden_size stays the target's).
+    draft_config: dict = field(default_factory=dict)
     # N = keep the N most frequent completion tokens in the head; 0 = the full vocabulary; -1 = auto (an EAGLE-3
     # draft keeps 32,000 over a larger vocabulary, as the peers do; a token-only draft the full one)
     draft_vocab_size: int = -1
@@ -54,68 +67,90 @@ class TrainConfig:
     eagle_aux_layer_ids: list[int] = field(default_factory=list)
     ttt_steps: int = 3  # training-time test: proposals unrolled per position (EAGLE-3's scheme; 1 = the first only)
     ttt_decay: float = 0.8  # step j's loss weighs decay^(j-1) (EAGLE-3, SpecForge), normalised to sum to one
-    # draft=eagle3, how its new weights start: the decoder layer `random` (Llama's init) or `target` (the target's
-    # last decoder layer, read where the draft reads the states); fc `random` or `last_state` (it passes the last
-    # recorded state through); and whether the residual is the normed state (norm_before_residual, speculators'
-    # CLI default; written into the draft's config, which vLLM and SGLang read)
+    # draft=eagle3: how its decoder layer starts: random (Llama's init) or target (a copy of the target's last
+    # decoder layer, read where the draft reads the states).
     layer_init: str = "random"
+    # draft=eagle3: how fc (the projection of the target's states) starts: random, or last_state (it passes the
+    # last recorded state through).
     fc_init: str = "random"
+    # draft=eagle3: the residual is the normed state (speculators' CLI default); written into the draft's config,
+    # which vLLM and SGLang read.
     norm_before_residual: bool = False
     # draft=eagle3: where the target's states come from, per batch (train/eagle3_states.py): recorded (the data
     # stage's record_features=true), online (the target runs on each batch; nothing is stored), or auto
     # (recorded where a row has them, else online)
     states: str = "auto"
-    # teacher signal and loss
-    teacher: str = "online"  # online | offline | on_policy
-    loss: str = "fkl"  # fkl | rkl | jsd | tvd | ce
-    beta: float = 0.5  # generalized JSD interpolation (0 = forward KL, 1 = reverse KL)
+    # --- teacher signal and loss
+    # The teacher signal: online (the target's logits, computed on each batch), offline (the top-n log-probs the
+    # data stage stored with top_logprobs=N; loss=ce needs none), or on_policy (online, and on_policy_fraction of
+    # the micro-batches are continuations the draft samples).
+    teacher: str = "online"
+    # fkl (forward KL(p || q)), rkl (reverse KL(q || p)), jsd (generalized JSD, beta), tvd (total variation) or ce
+    # (cross-entropy on the target's tokens, no teacher logits needed).
+    loss: str = "fkl"
+    beta: float = 0.5  # loss=jsd: generalized JSD interpolation (0 = forward KL, 1 = reverse KL)
+    # Distillation temperature: the target's and the draft's logits are divided by it in fkl, rkl, jsd and tvd
+    # (1 = the distributions as they are).
     temperature: float = 1.0
     ce_weight: float = 0.0  # adds weight * cross-entropy on the target's tokens
-    on_policy_fraction: float = 0.5  # lambda: share of micro-batches generated by the draft
-    on_policy_max_new_tokens: int = 16
-    on_policy_temperature: float = 1.0
-    # optimisation
-    lora: bool = False
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.05
+    on_policy_fraction: float = 0.5  # teacher=on_policy: lambda, the share of micro-batches generated by the draft
+    on_policy_max_new_tokens: int = 16  # teacher=on_policy: tokens the draft samples per continuation
+    on_policy_temperature: float = 1.0  # teacher=on_policy: the draft's sampling temperature for them
+    # --- optimisation
+    lora: bool = False  # train LoRA adapters (peft) instead of every weight; merged into the exported draft
+    lora_r: int = 16  # lora=true: the adapters' rank
+    lora_alpha: int = 32  # lora=true: the adapters' scale (alpha / r multiplies their update)
+    lora_dropout: float = 0.05  # lora=true: dropout on the adapters' input
+    # lora=true: the module names that get adapters (names absent from the draft are skipped).
     lora_target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_LORA_MODULES))
     optimizer: str = "adamw"  # adamw | muon (Muon on the layers' matrices, AdamW on the rest: train/optim.py)
-    learning_rate: float = 3e-4
+    learning_rate: float = 3e-4  # the peak learning rate, reached after warmup_steps
     lr_schedule: str = "cosine"  # cosine | linear: warm-up, then down to zero at the last step (train/budget.py)
-    weight_decay: float = 0.0
-    warmup_steps: int = 20
+    weight_decay: float = 0.0  # the optimizer's decoupled weight decay (AdamW's; Muon's on its matrices)
+    warmup_steps: int = 20  # optimizer steps of linear warm-up from zero to learning_rate
+    # Optimizer steps to train; each takes per_device_batch_size x processes x grad_accum_steps samples.
     max_steps: int = 500
     # Stop by this much wall time (minutes, summed over resumes; the final evaluation comes after), with the
     # cosine schedule re-aimed at the step the measured pace reaches (train/budget.py). None = max_steps only.
     max_minutes: float | None = None
-    per_device_batch_size: int = 8
-    grad_accum_steps: int = 1
-    max_grad_norm: float = 1.0
-    mixed_precision: str = "auto"  # auto | no | bf16 | fp16
-    bucket_by_length: bool = True
+    per_device_batch_size: int = 8  # samples per micro-batch on each process
+    grad_accum_steps: int = 1  # micro-batches whose gradients add up to one optimizer step
+    max_grad_norm: float = 1.0  # clip the gradient's global norm to this (0 = no clipping)
+    # auto (bf16 on a GPU that has it or a CPU with native bf16, else no; $ACCELERATE_MIXED_PRECISION first), no,
+    # bf16 or fp16.
+    mixed_precision: str = "auto"
+    bucket_by_length: bool = True  # batch samples of similar length together (less padding); false = random batches
     # draft=eagle3: each micro-batch's samples packed into rows of at most max_length tokens, every attention,
     # position and loss kept within its sample (no padding computed; the same loss as unpacked)
     pack: bool = False
-    # processes that collate micro-batches (and read recorded states) ahead of the step; 0 = in the training process
+    # Loader processes that collate micro-batches (and read recorded states) ahead of the step; 0 = the training
+    # process does it.
     data_workers: int = 1
-    # logging, evaluation, checkpoints
-    log_every: int = 10
-    eval_every: int = 100  # 0 = only at the start and the end
-    eval_samples: int = 64
-    eval_batch_size: int = 8
+    # --- logging, evaluation, checkpoints
+    log_every: int = 10  # optimizer steps between log lines (mean loss, learning rate, tokens/s)
+    eval_every: int = 100  # steps between held-out evaluations; 0 = only at the start and the end
+    eval_samples: int = 64  # held-out samples scored at each evaluation (the first N of the held-out split)
+    eval_batch_size: int = 8  # held-out rows per forward at each evaluation (memory, not the figures)
+    # The k values held-out tau(k) is reported for at each evaluation (must include best_k).
     eval_k: list[int] = field(default_factory=lambda: list(range(1, 9)))
-    best_k: int = 4
+    best_k: int = 4  # the k whose held-out tau(k) picks the checkpoint kept in output_dir/best (one of eval_k)
     # Stop once this many evaluations in a row raised the best held-out tau(best_k) by less than min_tau_gain
     # (0 = never: only max_steps or max_minutes stop training)
     stop_after_flat_evals: int = 0
-    min_tau_gain: float = 0.01
-    save_every: int = 100  # 0 = only at the end
-    keep_checkpoints: int = 2
+    min_tau_gain: float = 0.01  # stop_after_flat_evals: the least rise of the best held-out tau(best_k) that counts
+    save_every: int = 100  # steps between checkpoints (output_dir/checkpoints/step-N); 0 = only at the end
+    keep_checkpoints: int = 2  # this run's newest N checkpoints kept; older ones are removed
     resume_from: str = ""  # "" | latest | a checkpoint folder
+    # Start afresh in an output_dir that holds an earlier run (its checkpoints, final/, best/): remove what specdec
+    # wrote there first (never other files; never a folder without specdec's run marker). false: such a folder is
+    # refused, naming resume_from=latest, overwrite=true or another output_dir.
+    overwrite: bool = False
+    # Resume under DeepSpeed or FSDP's SHARDED_STATE_DICT, whose checkpoint loaders unpickle (and so could run code
+    # a crafted checkpoint holds): only for checkpoints this run's own user wrote. false: such a resume is refused.
+    trust_checkpoint: bool = False
     record_consumed: bool = False  # write each step's sample ids to output_dir/consumed/rank-R.jsonl
-    wandb_project: str = "specdec"
-    # the memory plan (train/plan/), which every run checks before it starts
+    wandb_project: str = "specdec"  # the wandb project (report_to=wandb)
+    # --- the memory plan (train/plan/), which every run checks before it starts
     plan_device_gb: float = 0.0  # memory per device (GiB) to plan and check against; 0 = this device's
     plan_devices: int = 0  # processes to plan for (`specdec train --plan`); 0 = this launch's
 
@@ -139,6 +174,8 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         check_minutes(self.max_minutes)
+        if self.overwrite and self.resume_from:
+            raise ValueError("overwrite=true starts afresh and resume_from continues a run: pass one of them")
         if min(self.warmup_steps, self.eval_every, self.save_every, self.data_workers, self.stop_after_flat_evals,
                self.min_tau_gain) < 0:
             raise ValueError("warmup_steps, eval_every, save_every, data_workers, stop_after_flat_evals and "

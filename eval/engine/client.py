@@ -65,15 +65,19 @@ def _read_chunk(req: Request, data: bytes, now: float) -> bool:
 
 
 def stream_completion(port: int, prompt: list[int], body: dict, timeout: float, index: int = 0,
-                      timeout_key: str = "request timeout") -> Request:
-    """POST /v1/completions with prompt token ids, streamed (`return_token_ids` gives the generated ids back);
-    never raises for a failed request (see .error, which names `timeout_key` when the client gave up)."""
+                      timeout_key: str = "request timeout", api_key: str | None = None) -> Request:
+    """POST /v1/completions with prompt token ids, streamed (`return_token_ids` gives the generated ids back),
+    with `api_key` as the bearer token when given; never raises for a failed request (see .error, which names
+    `timeout_key` when the client gave up)."""
     payload = json.dumps({**body, "prompt": prompt, "stream": True, "return_token_ids": True}).encode()
     req = Request(index, time.perf_counter())
     deadline = req.start + timeout
     conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
     try:
-        conn.request("POST", "/v1/completions", body=payload, headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"}
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        conn.request("POST", "/v1/completions", body=payload, headers=headers)
         resp = conn.getresponse()
         if resp.status != 200:
             req.error = f"HTTP {resp.status}: {resp.read().decode(errors='replace')[:500]}"
@@ -107,7 +111,7 @@ def request_body(sampling, max_new_tokens: int) -> dict:
 
 def run_requests(port: int, prompts: Sequence[list[int]], body: dict, concurrency: int, timeout: float,
                  seeds: Sequence[int | None] | None = None, progress=None,
-                 timeout_key: str = "request timeout") -> tuple[list[Request], float]:
+                 timeout_key: str = "request timeout", api_key: str | None = None) -> tuple[list[Request], float]:
     """Send every prompt with `concurrency` clients, each sending its next prompt when its last one finishes;
     (the requests in prompt order, wall seconds)."""
     lock, next_index = threading.Lock(), [0]
@@ -121,7 +125,7 @@ def run_requests(port: int, prompts: Sequence[list[int]], body: dict, concurrenc
             if i >= len(prompts):
                 return
             extra = {} if seeds is None or seeds[i] is None else {"seed": seeds[i]}
-            req = stream_completion(port, prompts[i], {**body, **extra}, timeout, i, timeout_key)
+            req = stream_completion(port, prompts[i], {**body, **extra}, timeout, i, timeout_key, api_key)
             with lock:
                 done.append(req)
             if progress is not None:

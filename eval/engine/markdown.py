@@ -3,6 +3,8 @@ engine's equivalence (eval/engine/report.py measures and assembles what this wri
 
 from __future__ import annotations
 
+from specdec.outputs import position_rates
+
 
 def _has_specdec(r: dict) -> bool:
     """Whether specdec's own decoder was measured in this report too (engine=specdec,vllm)."""
@@ -44,7 +46,7 @@ def markdown_lines(r: dict) -> list[str]:
     for row in e["sweep"]:
         if row["per_position_acceptance"]:
             lines.append(f"- {labels[row['method']]}, concurrency {row['concurrency']}: "
-                         + ", ".join(f"{i + 1}: {a:.3f}" for i, a in enumerate(row["per_position_acceptance"])))
+                         + position_rates(row["per_position_acceptance"]))
     if _has_specdec(r):
         lines += _side_by_side(r)
     lines += ["", "### Equivalence in the engine", ""] + _equivalence_lines(e["equivalence"], e["label"])
@@ -77,8 +79,8 @@ def _side_by_side(r: dict) -> list[str]:
     if row is None:
         return []
     s, b = r["speculative"], r["baseline"]
-    pos = ", ".join(f"{a:.2f}" for a in s["per_position_acceptance"])
-    epos = ", ".join(f"{a:.2f}" for a in row["per_position_acceptance"] or [])
+    pos = position_rates(s["per_position_acceptance"], 2, numbered=False)
+    epos = position_rates(row["per_position_acceptance"] or [], 2, numbered=False)
     return ["", f"### specdec's decoder beside {e['label']} ({_proposal(r['config'])})", "",
             f"| metric | specdec decoder (batch {r['config']['batch_size']}) | {e['label']} {e['primary_method']} "
             f"(concurrency {c}) |", "|---|---:|---:|",

@@ -66,7 +66,7 @@ def acceptance(delta: dict, k: int) -> dict:
     return {
         "acceptance_rate": accepted / proposed if proposed else 0.0,
         "mean_accepted_tokens": 1.0 + accepted / drafts if drafts else 0.0,
-        "per_position_acceptance": [a / p if p else 0.0 for a, p in zip(per_pos, previous)],
+        "per_position_acceptance": [a / p if p else None for a, p in zip(per_pos, previous)],  # None: not reached
         "rounds": drafts, "proposed": proposed, "accepted": accepted,
         "accepted_per_position": per_pos,
         "bonus": per_pos[-1] if full and per_pos else None,

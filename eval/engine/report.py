@@ -24,8 +24,8 @@ from specdec.eval.engine.server import EngineError
 from specdec.eval.engine.sweep import TARGET_ONLY, Plan, ServedWorkload, run_sweep
 from specdec.eval.plots import _plt
 from specdec.eval.verify import first_turn, resolve_prompts_path
-from specdec.models import load_tokenizer, resolve_device
-from specdec.prompts import encode_prompt, read_prompts
+from specdec.models import checkpoint_context, load_tokenizer, resolve_device
+from specdec.prompts import check_prompt_lengths, encode_prompt, read_prompts
 
 log = logging.getLogger(__name__)
 
@@ -36,13 +36,19 @@ ENGINE_FAULT = ("The target-only control passed and a speculative server failed:
 
 
 def _workload(cfg):
-    """The prompts and their token ids, exactly as specdec's own eval encodes them."""
+    """The prompts and their token ids, exactly as specdec's own eval encodes them, each checked to fit the models'
+    contexts (read from their configs) before any server starts."""
 
-    prompts = read_prompts(resolve_prompts_path(cfg.prompts), limit=cfg.num_prompts)
+    path = resolve_prompts_path(cfg.prompts)
+    prompts = read_prompts(path, limit=cfg.num_prompts)
     tokenizer = load_tokenizer(cfg.target)
     encoded = [encode_prompt(tokenizer, first_turn(p.messages), cfg.use_chat_template) for p in prompts]
     if any(len(e) == 0 for e in encoded):
         raise ValueError("a prompt encodes to zero tokens; remove empty prompts from the file")
+    contexts = {"the target": checkpoint_context(cfg.target)}
+    if cfg.draft:
+        contexts["the draft"] = checkpoint_context(cfg.draft)
+    check_prompt_lengths(prompts, encoded, cfg.max_new_tokens, contexts, path)
     return prompts, encoded
 
 
@@ -62,6 +68,7 @@ def _sweep(engine, cfg, plan: Plan, k: int, encoded: list[list[int]], out_dir: P
 def run(engine, cfg, specdec_run=None) -> dict:
     """The evaluation in serving engine `engine` (eval/engine: ServingEngine), after specdec's decoder when
     `specdec_run` is given; writes the report."""
+    prompts, encoded = _workload(cfg)  # first: a prompt that cannot fit fails before any model or server starts
     plan = engine.prepare(cfg)
     out_dir = cfg.out_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -69,7 +76,6 @@ def run(engine, cfg, specdec_run=None) -> dict:
     # a tree recommended by specdec: vLLM measures the chain of its depth
     k = (result["config"]["num_draft_tokens"] or result["config"]["tree_depth"]) if result is not None else (
         cfg.num_draft_tokens[0])
-    prompts, encoded = _workload(cfg)
     sweep, probe = _sweep(engine, cfg, plan, k, encoded, out_dir)
     fatal = sweep.pop("fatal", None)
     if fatal is not None and not sweep["phases"] and result is None:

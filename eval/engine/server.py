@@ -2,6 +2,8 @@
 
 Every server runs in its own process group and is stopped with SIGTERM, then SIGKILL after a timeout, on every
 way out (an error, Ctrl-C, SIGTERM to specdec, specdec's own death); its log is kept beside the report.
+A server that takes an API key (`api_key_env`) gets a random one of its own and answers only requests that carry
+it: another local user cannot use it while it runs.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import ctypes
 import logging
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -82,10 +85,17 @@ class Server:
     then SIGKILL). `engine` names it in messages, `key_prefix` its settings (e.g. vllm_ -> vllm_port).
     An engine subclasses it to read its speculative counters (`counters`)."""
 
+    # The variable the engine reads its required API key from (None: it takes none). The key goes in the
+    # environment, not the command line, which `ps` shows to other users and the log and the report record.
+    api_key_env: str | None = None
+
     def __init__(self, label: str, command: list[str], port: int, log_path: Path, env: dict[str, str],
                  stop_timeout: float = 30.0, engine: str = "engine", key_prefix: str = ""):
         self.label, self.command, self.port, self.log_path = label, command, port, log_path
         self.env, self.stop_timeout, self.engine, self.key_prefix = env, stop_timeout, engine, key_prefix
+        self.api_key = secrets.token_urlsafe(32) if self.api_key_env else None  # this server's, sent as a bearer
+        if self.api_key:
+            self.env = {**env, self.api_key_env: self.api_key}
         self.proc: subprocess.Popen | None = None
         self.started_at = self.ready_s = None
 
@@ -132,7 +142,7 @@ class Server:
                  seeds: Sequence[int | None] | None = None, progress=None) -> tuple[list[Request], float]:
         """Every prompt completed by `concurrency` closed-loop clients: (requests in prompt order, wall seconds)."""
         return run_requests(self.port, prompts, body, concurrency, timeout, seeds, progress,
-                            timeout_key=f"{self.key_prefix}request_timeout")
+                            timeout_key=f"{self.key_prefix}request_timeout", api_key=self.api_key)
 
     def counters(self, k: int) -> dict:
         """The engine's speculative counters now: drafts, draft_tokens, accepted, accepted_per_pos (k values),

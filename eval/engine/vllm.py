@@ -28,7 +28,7 @@ from specdec.eval.engine.metrics import parse_prometheus
 from specdec.eval.engine.server import EngineError, Server, free_port, port_is_free
 from specdec.eval.engine.sweep import TARGET_ONLY, Plan
 from specdec.models import load_tokenizer, resolve_device, resolve_dtype, resolve_path
-from specdec.vllm_env import vllm_python, vllm_version
+from specdec.vllm_env import child_env, vllm_python, vllm_version
 from specdec.vocab import CONFIG_KEY
 
 log = logging.getLogger(__name__)
@@ -46,13 +46,16 @@ class VllmOptions:
 
     vllm_method: str = "auto"  # auto (the draft's config.json: eagle3 or draft_model) | draft_model | eagle3 | ngram
     vllm_ngram: bool = False  # add vLLM's n-gram prompt lookup as a reference row (no training)
-    vllm_ngram_lookup: list[int] = field(default_factory=lambda: [2, 4])  # its [min, max] n-gram sizes
+    vllm_ngram_lookup: list[int] = field(default_factory=lambda: [2, 4])  # the n-gram method's [min, max] n-gram sizes
     vllm_python: str | None = None  # vLLM's Python (default: $SPECDEC_VLLM_PYTHON, then .venv-vllm, `make vllm-env`)
     vllm_args: list[str] = field(default_factory=list)  # extra `vllm serve` arguments, e.g. [--enforce-eager]
-    vllm_speculative_config: dict | None = None  # keys added to every --speculative-config
-    vllm_port: int | None = None  # first port (one per server); None: free ports
-    vllm_prefix_caching: bool = False  # off: the repeated prompts of each level would be served from the cache
-    vllm_side_by_side: bool | None = None  # servers at once, alternating (None: on a CPU build; GPU: one at a time)
+    # Keys added to (or replacing) every --speculative-config, e.g. {draft_sample_method: probabilistic}.
+    vllm_speculative_config: dict | None = None
+    vllm_port: int | None = None  # first port (one per server, 1024..65535); None: free ports
+    # vLLM's prefix caching; off, as each level's repeated prompts would otherwise be served from the cache.
+    vllm_prefix_caching: bool = False
+    # All servers at once, the modes alternating, or one at a time (None: at once on a CPU build, else one at a time).
+    vllm_side_by_side: bool | None = None
     vllm_startup_timeout: float = 900.0  # seconds for a server to answer /health
     vllm_request_timeout: float = 600.0  # seconds for one streamed completion
     vllm_stop_timeout: float = 30.0  # seconds between SIGTERM and SIGKILL
@@ -206,7 +209,9 @@ def spec_counters(samples: dict, k: int) -> dict:
 
 
 class VllmServer(Server):
-    """`vllm serve`: its speculative counters come from /metrics."""
+    """`vllm serve`: its speculative counters come from /metrics; it requires its API key on /v1/*."""
+
+    api_key_env = "VLLM_API_KEY"
 
     def counters(self, k: int, timeout: float = 10.0) -> dict:
         status, text = http_get(self.url + "/metrics", timeout=timeout)
@@ -249,10 +254,9 @@ def _path_vllm_keeps_the_method_of(path: str) -> str:
 
 
 def server_env(install: Install) -> dict[str, str]:
-    """The server's environment: this one without the project venv's Python paths; on a CPU build a 1 GiB KV
-    cache unless VLLM_CPU_KVCACHE_SPACE is set (vLLM's CPU default takes a share of the machine's memory)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
-    env["PYTHONUNBUFFERED"] = "1"  # a crash leaves its last lines in the log
+    """The server's environment (vllm_env.child_env: what vLLM reads, not all of this one); on a CPU build a 1 GiB
+    KV cache unless VLLM_CPU_KVCACHE_SPACE is set (vLLM's CPU default takes a share of the machine's memory)."""
+    env = child_env(install.python, {"PYTHONUNBUFFERED": "1"})  # a crash leaves its last lines in the log
     if install.cpu_build:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     return env

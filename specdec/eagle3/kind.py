@@ -55,6 +55,9 @@ class Eagle3Kind:
                                                           or ["LlamaForCausalLM"])}
         model.save_pretrained(out_dir, state_dict=state_dict, format=format, speculators=speculators)
 
+    def check_target(self, draft: Eagle3Draft, target, name: str, target_name: str) -> None:
+        draft.check_target(target, name, target_name)
+
     def drafter(self, draft: Eagle3Draft, target, sampling) -> Eagle3Drafter:
         draft.adopt_target(target)
         return Eagle3Drafter(draft, target, sampling)

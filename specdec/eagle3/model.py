@@ -320,7 +320,12 @@ class Eagle3Draft(nn.Module):
         draft.needs_target_embeddings = "embed_tokens.weight" not in state
         if draft.needs_target_embeddings:
             state["embed_tokens.weight"] = torch.full_like(draft.embed_tokens.weight, float("nan"))
-        missing, unexpected = draft.load_state_dict(state, strict=False)
+        try:
+            missing, unexpected = draft.load_state_dict(state, strict=False)
+        except RuntimeError as err:  # size mismatch: the config and the weights were written for different targets
+            first = next((line.strip() for line in str(err).splitlines() if "size mismatch" in line), str(err))
+            raise ValueError(f"{path}/{formats.WEIGHTS_FILE} does not match its config.json ({first}); re-export "
+                             f"the draft (specdec publish) or download it again") from None
         missing = [m for m in missing if not m.startswith("rotary_emb.") and m not in ("d2t", "t2d")]
         if missing or unexpected:
             raise ValueError(f"{path}: EAGLE-3 weights do not match its config (missing {missing}, "
@@ -329,13 +334,30 @@ class Eagle3Draft(nn.Module):
         draft.embed_tokens.weight.requires_grad_(False)
         return draft.eval()
 
+    def check_target(self, target: nn.Module, name: str = "this EAGLE-3 draft", target_name: str = "the target") -> None:
+        """ValueError (both sizes and the fix) when `target` is not one this draft can read: it embeds tokens with
+        the target's own table and reads the target's hidden states, so vocabulary, width and layers must match."""
+        kind = (getattr(target.config, "architectures", None) or [type(target).__name__])[0]
+        rows = target.get_input_embeddings().num_embeddings
+        fix = ("an EAGLE-3 draft serves only the target it was trained for: pass that target, or train an EAGLE-3 "
+               "draft for this one (draft: eagle3 in a recipe)")
+        if rows != self.config.vocab_size:
+            raise ValueError(f"vocabulary mismatch: {name} (EAGLE-3) embeds {self.config.vocab_size:,} token ids "
+                             f"(config.json vocab_size) but {target_name} ({kind}) has {rows:,}; {fix}")
+        width = target.config.get_text_config().hidden_size
+        if width != self.config.target_hidden_size:
+            raise ValueError(f"{name} (EAGLE-3) reads hidden states {self.config.target_hidden_size:,} wide "
+                             f"(config.json target_hidden_size) but {target_name} ({kind}) has {width:,}; {fix}")
+        layers = len(target.get_decoder().layers)
+        if max(self.layer_ids) >= layers:
+            raise ValueError(f"{name} (EAGLE-3) reads the states after layers {self.layer_ids} but {target_name} "
+                             f"({kind}) has {layers} layers; {fix}")
+
     def adopt_target(self, target: nn.Module) -> None:
         """Share the target's input embeddings when this draft's checkpoint stored none (as the engines do)."""
         if getattr(self, "needs_target_embeddings", False):
+            self.check_target(target)
             weight = target.get_input_embeddings().weight
-            if weight.shape != self.embed_tokens.weight.shape:
-                raise ValueError(f"the target embeds {tuple(weight.shape)}, the draft expects "
-                                 f"{tuple(self.embed_tokens.weight.shape)}: another target?")
             self.embed_tokens.weight = weight
             self.needs_target_embeddings = False
 

@@ -2,30 +2,26 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 
-from specdec.config import config_from_cli
+from specdec.cli import command_help
+from specdec.config import config_from_cli, wants_help
 from specdec.train.data.config import DataConfig
 from specdec.train.data.run_loop import run
 
-_HELP = """usage: specdec data [--config recipes/X.yaml] [key=value ...] [--key value ...]
-
-Generate the target's own completions for a prompt set (resumable; rerun the same command to continue).
+# The prose above the keys of `specdec data --help` (specdec/cli.py builds the help from DataConfig).
+INTRO = """Generate the target's own completions for a prompt set (resumable; rerun the same command to continue).
 
 prompts: a local .jsonl/.json/.parquet/.csv file, a Hub dataset, embedded:train, embedded:heldout, or self:N
-(N requests the target writes itself, as in Magpie), or several of these joined by commas.
-
-options (recipe section `data:`; defaults in brackets):
-""" + "\n".join(f"  {f.name:<18} [{f.default!r}]" for f in dataclasses.fields(DataConfig))
+(N requests the target writes itself, as in Magpie), or several of these joined by commas."""
 
 
 def main(argv: list[str] | None = None) -> int:
     """`specdec data` / `python -m specdec.train.data` / `accelerate launch -m specdec.train.data`."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in argv):
-        print(_HELP)
+    if wants_help(argv):
+        print(command_help("data"))
         return 0
     cfg = config_from_cli(DataConfig, argv, section="data")
     manifest = run(cfg)

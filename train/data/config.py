@@ -24,25 +24,28 @@ _LATER_DEFAULTS = {"responses": "target"}
 class DataConfig:
     """`specdec data` settings (recipe section `data:` plus the shared keys)."""
 
-    target: str = EMBEDDED_TARGET
-    prompts: str = "embedded:train"  # local file, Hub dataset name, embedded:train / embedded:heldout, or self:N
-    split: str = "train"  # Hub datasets only
+    target: str = EMBEDDED_TARGET  # the model that answers: Hub id, local checkpoint folder or the embedded default
+    # A .jsonl/.json/.parquet/.csv file, a Hub dataset name, embedded:train / embedded:heldout (the shipped sets), or
+    # self:N (N requests the target writes itself); several joined by commas.
+    prompts: str = "embedded:train"
+    split: str = "train"  # the split read from a Hub dataset (Hub datasets only)
     column_map: dict[str, str] | None = None  # rename a data set's columns, e.g. {instruction: prompt}
     spec_bench_turns: str = "all"  # multi-turn prompts: "all" turns (each after the target's own answers) or "first"
-    use_chat_template: bool = True
+    use_chat_template: bool = True  # wrap prompts in the target's chat template; false = the raw text
+    # Prompts longer than this many tokens (or than the target's context minus max_new_tokens) are too long.
     max_prompt_tokens: int = 1024
-    too_long: str = "skip"  # "skip" (counted in the manifest) or "error"
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0
-    top_p: float = 1.0
+    too_long: str = "skip"  # what a too-long prompt does: "skip" (counted in the manifest) or "error" (stop the run)
+    temperature: float = 0.0  # the target's sampling temperature; 0 = greedy
+    top_k: int = 0  # sample from the k most likely tokens only; 0 = no limit
+    top_p: float = 1.0  # sample from the smallest set of tokens holding this probability; 1 = no limit
     num_samples: int = 1  # completions per prompt
     # "target": the target answers each user turn (generation); "dataset": keep the conversations' own assistant
     # answers (`messages` or ShareGPT `conversations` with assistant turns), one row per answer, nothing generated;
     # record_features / top_logprobs then come from one prefill of each row
     responses: str = "target"
-    seed: int = 0
-    max_new_tokens: int = 256
-    batch_size: int = 16
+    seed: int = 0  # seeds the work list's order (shuffle), the sampling and the self:N requests
+    max_new_tokens: int = 256  # the most tokens the target writes per answer (each user turn)
+    batch_size: int = 16  # prompts decoded together (backend=vllm: the most sequences vLLM runs at once)
     # backend=transformers: also at most this many padded positions (rows x (longest prompt + max_new_tokens)) a
     # batch, so that a few long prompts neither pad a whole batch to their length nor outgrow memory; 0 = no limit
     batch_tokens: int = 16384
@@ -62,14 +65,18 @@ class DataConfig:
     # extract_hidden_states method), "prefill" from a transformers prefill after decoding, "auto" extracts unless
     # sampling on a CPU
     vllm_states: str = "auto"
+    # The data folder: parquet shards, manifest.json and, for self:N, self_prompts.jsonl; rerunning the same
+    # command continues it.
     output_dir: str = "runs/data"
-    device: str = "auto"
+    device: str = "auto"  # auto (each process's GPU where there is one, else the CPU), cpu, cuda or cuda:N
+    # The target's dtype: auto (bfloat16 on CUDA, float32 on a CPU), float32, bfloat16, float16 or bf16-if-native
+    # (bfloat16 where the device computes it natively).
     dtype: str = "auto"
     limit: int | None = None  # use only the first N prompts
-    # prompts=self:N: the target writes N user requests itself (train/self_prompts.py)
-    self_prompt_temperature: float = 0.8
-    self_prompt_top_p: float = 1.0
-    self_prompt_max_tokens: int = 64
+    # --- prompts=self:N: the target writes N user requests itself (train/self_prompts.py)
+    self_prompt_temperature: float = 0.8  # self:N: the target's sampling temperature for its requests
+    self_prompt_top_p: float = 1.0  # self:N: the nucleus (top-p) of that sampling; 1 = no limit
+    self_prompt_max_tokens: int = 64  # self:N: the most tokens per request
     overwrite: bool = False  # replace an existing output_dir made with different settings
     # Start no shard that would end past this many minutes of this run (self-written prompts included) at the
     # last shard's pace, one at least: the folder is left incomplete, usable, and a rerun continues it.
@@ -79,6 +86,8 @@ class DataConfig:
     # after each of `eagle_aux_layer_ids` (vLLM's numbering, e.g. [2, 15, 27] of 30 layers). Computed by the
     # decoding anyway, they spare training a target forward per sample: 4.6 KB a token for SmolLM2 with 3 layers.
     record_features: bool = False
+    # record_features=true: the target layers whose residual streams are kept (vLLM's numbering: after i layers),
+    # those the EAGLE-3 draft reads; [] with record_features=false.
     eagle_aux_layer_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:

@@ -16,6 +16,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from specdec.eagle3 import RECORDED_STATES_DTYPE
+from specdec.overwrite import check_replaceable, replace_folder_atomically, temp_sibling
+from specdec.train import self_prompts
 from specdec.train.data.config import DataConfig
 
 log = logging.getLogger(__name__)
@@ -73,32 +75,67 @@ def read_manifest(out: str | Path) -> dict:
     return json.loads(path.read_text())
 
 
+def _old_manifest(out: Path) -> dict | None:
+    """The manifest already in `out`, None when there is none (ValueError when its manifest.json is not ours)."""
+    path = out / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        old = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        old = None
+    if not isinstance(old, dict) or not str(old.get("format", "")).startswith(FORMAT.split("/")[0]):
+        raise ValueError(f"output_dir {out} holds a {MANIFEST} that specdec data did not write; choose another "
+                         "output_dir")
+    return old
+
+
 def prepare_output(cfg: DataConfig, settings: dict, fingerprint: str, base: dict) -> dict:
-    """Create the output folder and manifest, or check that an existing one holds this very run."""
+    """Create the output folder and manifest, or check that an existing one holds this very run (or, with
+    overwrite=true, replace a data folder of other settings: only one that specdec data wrote)."""
     out = Path(cfg.output_dir)
-    manifest_path = out / MANIFEST
-    if manifest_path.is_file():
-        old = json.loads(manifest_path.read_text())
-        if old.get("fingerprint") == fingerprint:
-            log.info("resuming %s: %d of %d shards done", out, len(old.get("shards", [])), old.get("num_shards", 0))
-            for stray in (out / SHARD_DIR).glob(".*.tmp-*"):  # half-written by an interrupted run
-                stray.unlink()
-            return old
-        if not cfg.overwrite:
-            changed = sorted(k for k in set(settings) | set(old.get("settings", {}))
-                             if settings.get(k) != old.get("settings", {}).get(k))
-            what = f"settings {', '.join(changed)} differ" if changed else "the prompts (or their tokenization) differ"
-            raise ValueError(f"{out} already holds data generated with other settings ({what}); use another "
-                             f"output_dir, or overwrite=true to replace it")
-        log.warning("overwrite=true: replacing the data in %s", out)
-    elif out.exists() and (out / SHARD_DIR).exists() and not cfg.overwrite:
-        raise ValueError(f"{out} has a {SHARD_DIR}/ folder but no {MANIFEST}; use another output_dir or "
-                         f"overwrite=true")
-    shutil.rmtree(out / SHARD_DIR, ignore_errors=True)
-    (out / SHARD_DIR).mkdir(parents=True, exist_ok=True)
+    old = _old_manifest(out)
+    if old is not None and old.get("fingerprint") == fingerprint:
+        log.info("resuming %s: %d of %d shards done", out, len(old.get("shards", [])), old.get("num_shards", 0))
+        (out / SHARD_DIR).mkdir(exist_ok=True)
+        for stray in (out / SHARD_DIR).glob(".*.tmp-*"):  # half-written by an interrupted run
+            stray.unlink()
+        return old
+    if old is not None and not cfg.overwrite:
+        changed = sorted(k for k in set(settings) | set(old.get("settings", {}))
+                         if settings.get(k) != old.get("settings", {}).get(k))
+        what = f"settings {', '.join(changed)} differ" if changed else "the prompts (or their tokenization) differ"
+        raise ValueError(f"{out} already holds data generated with other settings ({what}); use another "
+                         f"output_dir, or overwrite=true to replace it")
+    if old is None and (out / SHARD_DIR).exists():
+        raise ValueError(f"output_dir {out} has a {SHARD_DIR}/ folder but no {MANIFEST}: specdec data did not "
+                         "write it and will not replace it; use another output_dir")
     manifest = dict(base, shards=[], complete=False)
-    _write_json(manifest_path, manifest)
+    if old is not None:
+        check_replaceable(out, (MANIFEST,), "output_dir")  # never a home folder, the current folder or above
+        log.warning("overwrite=true: replacing the data in %s", out)
+        _replace_data_folder(cfg, out, manifest)
+        return manifest
+    out.mkdir(parents=True, exist_ok=True)
+    _write_json(out / MANIFEST, manifest)  # first: a folder with shards/ and no manifest is not ours
+    (out / SHARD_DIR).mkdir(exist_ok=True)
     return manifest
+
+
+def _replace_data_folder(cfg: DataConfig, out: Path, manifest: dict) -> None:
+    """A new data folder (the manifest, no shards yet) in place of `out` in one swap. This run's self-written
+    prompts (prompts=self:N), already in `out`, come along."""
+    tmp = temp_sibling(out)
+    try:
+        _write_json(tmp / MANIFEST, manifest)
+        (tmp / SHARD_DIR).mkdir()
+        prompts = self_prompts.path_for(cfg, out)
+        if prompts.is_file():
+            shutil.copy2(prompts, tmp / prompts.name)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # `out` is untouched
+        raise
+    replace_folder_atomically(tmp, out)
 
 
 def record_shard(out: Path, entry: dict) -> dict:

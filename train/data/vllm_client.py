@@ -18,6 +18,7 @@ import torch
 from specdec.models import resolve_path
 from specdec.train.data.config import DataConfig
 from specdec.train.data.processes import Processes
+from specdec.vllm_env import activated, child_env
 
 # The worker script, beside this package (standalone: it imports only the stdlib and vLLM).
 VLLM_WORKER = Path(__file__).resolve().parents[1] / "vllm_worker.py"
@@ -26,7 +27,8 @@ CPU_KVCACHE_GIB = "2"  # GiB of KV cache on a CPU: 1 is plenty for small models;
 
 
 class VLLMWorker:
-    """train/vllm_worker.py under vLLM's own Python: one engine, spoken to in JSON lines over stdin/stdout.
+    """train/vllm_worker.py under vLLM's own Python (its venv active in `env`): one engine, spoken to in JSON lines
+    over stdin/stdout.
 
     Its stderr (vLLM's log) goes to `log_path`, whose tail every error quotes. It runs in a session of its own, so
     that closing it also ends any engine process vLLM started, and it dies with this process (see the worker)."""
@@ -35,7 +37,7 @@ class VLLMWorker:
         self.log_path, self.what = log_path, what
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen([str(python), str(VLLM_WORKER), json.dumps(engine_args)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._log, env=env, text=True,
+                                     stdout=subprocess.PIPE, stderr=self._log, env=activated(python, env), text=True,
                                      start_new_session=True)
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -110,19 +112,14 @@ class VLLMWorker:
         self._log.close()
 
 
-_LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
-                 "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
 def engine_settings(cfg: DataConfig, device, dtype: str, prefill_model_loaded: bool, procs: Processes | None = None,
                      states_dir: Path | None = None, extracted_layers: list[int] | None = None) -> tuple[dict, dict]:
     """vllm.LLM's keyword arguments and the worker's environment for this run (this process's engine)."""
     procs = procs or Processes()
     args = {"model": resolve_path(cfg.target), "dtype": dtype, "seed": cfg.seed, "max_num_seqs": cfg.batch_size}
-    # vLLM's own packages; and not the launcher's rank variables: each process's engine is a world of its own
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "PYTHONHOME") + _LAUNCHER_ENV and not k.startswith("TORCHELASTIC_")}
-    env["SPECDEC_VLLM_PARENT"] = str(os.getpid())
+    # What vLLM reads of this environment (vllm_env.child_env): not specdec's venv paths, no credentials of other
+    # services, and not the launcher's rank variables (each process's engine is a world of its own).
+    env = child_env(settings={"SPECDEC_VLLM_PARENT": str(os.getpid())})
     if device.type == "cpu":
         # One process (it starts faster than with vLLM's default engine process) and a KV cache of a
         # set size: vLLM's CPU default is a share of the machine's memory.

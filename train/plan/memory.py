@@ -4,6 +4,7 @@ draft built on the meta device (the package's docstring lists the terms)."""
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,14 @@ from specdec.train.plan.target import Widths, meta_counts, on_meta, target_param
 CUDA_RUNTIME = 1 * GiB  # the CUDA context, cuBLAS workspaces and the caching allocator's slack (about)
 CPU_RUNTIME = GiB // 2  # a trainer process's libraries (torch, transformers, accelerate): its RSS before any model
 HALF = ("bf16", "fp16")
+# Under half-precision autocast on a CPU, torch runs each matmul through oneDNN, which compiles kernels for every
+# new shape and keeps them in two caches (ideep's, LRU_CACHE_CAPACITY, and oneDNN's,
+# ONEDNN_PRIMITIVE_CACHE_CAPACITY; 1024 entries each by default). Where bf16 is native (AVX512-BF16, AMX) one
+# shape's kernels hold about 576 KiB whatever its size; elsewhere a few KiB (torch 2.13, tests/test_plan.py).
+# Batches are padded to their own width, and each new width makes new shapes (28 in a 2-step EAGLE-3 step), so
+# a run fills the caches early: the first step at a width adds them, later steps at it do not. CUDA has no such cache.
+ONEDNN_SHAPE_BYTES = 576 * 1024
+ONEDNN_CACHE_CAPACITY = {"LRU_CACHE_CAPACITY": 1024, "ONEDNN_PRIMITIVE_CACHE_CAPACITY": 1024}
 
 
 def _draft_module(cfg, target_cfg, draft_vocab: int):
@@ -184,9 +193,23 @@ def _resident_terms(run: _Run, target_cfg, device_type: str, devices: int) -> li
             "" if eagle else "; teacher=offline (the data's stored top-n) needs no target on the device")
         resident.append(Term("target weights", run.tbytes * target_parameters(target_cfg),
                              f"{str(run.target_dtype)[6:]}; {why}", fix))
+    if device_type == "cpu" and run.half:
+        shapes = onednn_cached_shapes()
+        resident.append(Term("oneDNN kernel caches", ONEDNN_SHAPE_BYTES * shapes,
+                             f"up to {shapes} matmul shapes' half-precision kernels, "
+                             f"{ONEDNN_SHAPE_BYTES // 1024} KiB each where bf16 is native",
+                             "mixed_precision=no, or lower LRU_CACHE_CAPACITY and ONEDNN_PRIMITIVE_CACHE_CAPACITY "
+                             "(kernels are then rebuilt more often)"))
     resident.append(Term("runtime", CUDA_RUNTIME if device_type == "cuda" else CPU_RUNTIME,
                          "CUDA context and workspaces" if device_type == "cuda" else "the process's libraries"))
     return resident
+
+
+def onednn_cached_shapes() -> int:
+    """The most matmul shapes whose kernels oneDNN's caches keep: the larger of the two capacities (an upper bound:
+    with one cache off, a shape costs about half), read from the environment as the libraries read it."""
+    values = [os.environ.get(name, "").strip() for name in ONEDNN_CACHE_CAPACITY]
+    return max(int(v) if v.isdigit() else default for v, default in zip(values, ONEDNN_CACHE_CAPACITY.values()))
 
 
 def _train_step_terms(run: _Run) -> list[Term]:
