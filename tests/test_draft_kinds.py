@@ -14,7 +14,7 @@ from conftest import tiny_llama, tiny_tokenizer
 from transformers import LlamaForCausalLM
 
 from specdec import draft_registry, speculative_generate, target_generate
-from specdec.draft_kind import PublishContext, TrainingFacts
+from specdec.draft_kind import PublishContext
 from specdec.drafter import PlainDrafter
 from specdec.eagle3 import Eagle3Draft
 from specdec.models import load_model, save_model
@@ -48,7 +48,6 @@ class MirrorKind:
     sglang_algorithm = "MIRROR"
     formats = ("mirror",)
     maps_vocabulary = False
-    training = TrainingFacts(entry=None)
 
     def __init__(self):
         self.drafters = 0
