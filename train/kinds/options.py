@@ -135,9 +135,9 @@ def takes_kind_options(cls):
 
 
 def help_lines() -> str:
-    """`specdec train --help`'s lines for every kind's options block."""
+    """`specdec train --help`'s lines for every kind's options block (those that have keys)."""
     out = []
-    for name in kinds.names():
+    for name in (n for n in kinds.names() if dataclasses.fields(kinds.get(n).options)):
         text = help_text(kinds.get(name).options, "", f"draft={name}'s options (flat in `train:`, or in a block "
                                                       f"`train.{name}:`)")
         out += [""] + text.splitlines()[2:-2]
