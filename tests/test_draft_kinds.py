@@ -16,6 +16,7 @@ from conftest import save_tiny_world, tiny_llama, tiny_tokenizer
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from specdec import draft_registry, speculative_generate, target_generate
+from specdec.config import load_config
 from specdec.draft_kind import PublishContext
 from specdec.drafter import PlainDrafter
 from specdec.eagle3 import Eagle3Draft
@@ -221,11 +222,18 @@ def test_a_retired_layout_says_what_to_do(tmp_path):
         draft_registry.for_recipe("feature")
 
 
-def test_a_registered_kind_takes_its_own_options(mirror):
+def test_a_registered_kind_takes_its_own_options(mirror, tmp_path):
     cfg = distill.TrainConfig(draft="mirror", mirror_loss_weight=2.0)
     assert cfg.kind.name == "mirror" and cfg.options == MirrorOptions(2.0) and cfg.mirror_loss_weight == 2.0
     assert distill.TrainConfig(draft="mirror", mirror={"mirror_loss_weight": 3.0}).options.mirror_loss_weight == 3.0
     assert distill.TrainConfig(draft="mirror").needs_target  # its only teacher is online
+    recipe = tmp_path / "mirror.yaml"
+    recipe.write_text("draft: mirror\ntrain:\n  mirror:\n    mirror_loss_weight: 3.0\n")
+    assert load_config(distill.TrainConfig, recipe, section="train").mirror_loss_weight == 3.0
+    assert load_config(distill.TrainConfig, recipe, ["mirror.mirror_loss_weight=5"],
+                       section="train").options.mirror_loss_weight == 5.0  # a dotted override of the block
+    with pytest.raises(ValueError, match="set both flat and in the train.mirror block"):
+        load_config(distill.TrainConfig, recipe, ["mirror_loss_weight=5"], section="train")
     with pytest.raises(ValueError, match="mirror_loss_weight must be > 0"):
         distill.TrainConfig(draft="mirror", mirror_loss_weight=0.0)
     with pytest.raises(ValueError, match="ttt_steps is for draft=eagle3, not draft=mirror"):

@@ -23,6 +23,7 @@ from specdec.config import _build, help_text
 from specdec.train import kinds
 
 
+@functools.cache
 def _fields(options_cls) -> dict[str, Any]:
     """An options dataclass's keys and their types."""
     hints = typing.get_type_hints(options_cls)
