@@ -80,11 +80,12 @@ def score(result: dict, heldouts: list[str], target: str) -> dict:
 
     from specdec import draft_registry, replay
     from specdec.models import load_model
+    from specdec.train import kinds
     from specdec.train.batches import collate, load_split
     from specdec.train.distill import TrainConfig
 
     model = load_model(result["draft"], dtype="float32", device="cpu").eval()
-    reads_target = draft_registry.of_model(model).training.reads_target_states
+    reads_target = kinds.get(draft_registry.of_model(model).name).facts.reads_target_states
     target_model = load_model(target, dtype="float32", device="cpu") if reads_target else None
     cfg = TrainConfig(eval_batch_size=16)
     ks = cfg.eval_k

@@ -36,13 +36,15 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 _RECIPE_OPTIONS = "[--config recipes/X.yaml] [key=value ...] [--key value ...]"
 
 # subcommand -> its --help: the usage line, the prose kept above the keys ("module:attribute", "" for none) and
-# (title, "module:Class") of each config class it reads, the first one its own (plus the classes it inherits).
+# (title, "module:Class") of each config class it reads, the first one its own (plus the classes it inherits); a
+# "module:function" in place of a class gives such pairs itself (the draft kinds' options blocks: a registry).
 HELP: dict[str, tuple[str, str, tuple[tuple[str, str], ...]]] = {
     "data": (f"specdec data {_RECIPE_OPTIONS}", "specdec.train.data.cli:INTRO",
              (("options (recipe section `data:` plus the shared keys)", "specdec.train.data.config:DataConfig"),)),
     "train": (f"specdec train [--plan] {_RECIPE_OPTIONS}\n"
               f"       accelerate launch [--config_file recipes/accelerate/X.yaml] -m specdec.train {_RECIPE_OPTIONS}",
               "", (("options (recipe section `train:` plus the shared keys)", "specdec.train.train_config:TrainConfig"),
+                   ("", "specdec.train.kinds.options:help_sections"),
                    ("plan: `specdec train --plan` (also reads plan_device_gb, plan_devices)",
                     "specdec.train.plan.check:PlanOptions"))),
     "eval": ("specdec eval --target T --draft D [--prompts FILE] [--num-draft-tokens 1,2,4] [--batch-size 1,4] "
@@ -68,7 +70,11 @@ def _attribute(ref: str):
 def command_help(name: str) -> str:
     """`specdec <name> --help`: generated from the command's config classes (`specdec.config.help_text`)."""
     usage, intro, sections = HELP[name]
-    (title, main_class), *more = [(title, _attribute(ref)) for title, ref in sections]
+    pairs = []
+    for title, ref in sections:
+        found = _attribute(ref)
+        pairs += [(title, found)] if isinstance(found, type) else list(found())
+    (title, main_class), *more = pairs
     return help_text(main_class, usage, title, _attribute(intro) if intro else "", tuple(more))
 
 

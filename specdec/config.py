@@ -37,8 +37,11 @@ SHARED_KEYS = ("target", "draft", "seed", "output_dir", "device", "dtype", "repo
 
 
 def _field_types(cls: type) -> dict[str, Any]:
+    """A config dataclass's keys and their types: its fields, and the keys it takes beyond them where it declares
+    `extra_config_keys()` (TrainConfig: the draft kinds' options, train/kinds/options.py)."""
     hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+    extra = getattr(cls, "extra_config_keys", None)
+    return {**(extra() if extra else {}), **{f.name: hints[f.name] for f in dataclasses.fields(cls)}}
 
 
 def _unwrap_optional(tp: Any) -> Any:

@@ -6,9 +6,9 @@ the model card and the trainer reach kind-specific behaviour only through it, so
 own module and one `register` call. The built-in kinds: plain (specdec/plain_draft.py, any causal LM over the
 target's tokenizer) and EAGLE-3 (specdec/eagle3/kind.py).
 
-The trainer's side is a reference, not an import: `TrainingFacts.entry` names the training entry point inside
-`specdec.train` ("module:name"), which only the trainer resolves (the core never imports `specdec.train`). Building
-a draft from the target is that entry point's first job (train/plain_train.py, train/eagle3_train.py).
+Training is the other side of a kind, declared in `specdec.train` (train/kinds/base.py: `TrainingKind`: building
+the draft, its loss, held-out figures, memory plan, card usage and options) and registered there under the same
+name: the core never imports `specdec.train`.
 """
 
 from __future__ import annotations
@@ -18,19 +18,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-
-
-@dataclass(frozen=True)
-class TrainingFacts:
-    """How `specdec train` treats a kind (train/distill.py checks a recipe against these)."""
-
-    entry: str | None  # "module:name" of the training entry point in specdec.train; None: `specdec train` cannot
-    teachers: tuple[str, ...] = ("online", "offline", "on_policy")  # the teacher signals it trains with
-    lora: bool = True  # may train LoRA adapters
-    packing: bool = False  # pack=true keeps packed samples apart (attention, positions, loss)
-    reads_target_states: bool = False  # reads the target's hidden states: the target runs in every step
-    replicated: bool = False  # trains with DDP only: small enough to replicate, called outside its wrapped forward
-    default_vocab_size: int = 0  # draft_vocab_size=auto over a larger vocabulary (0: the full one)
 
 
 @dataclass(frozen=True)
@@ -49,7 +36,6 @@ class DraftKind(Protocol):
     sglang_algorithm: str  # SGLang's --speculative-algorithm
     formats: tuple[str, ...]  # the checkpoint layouts `specdec publish format=` writes, the default first
     maps_vocabulary: bool  # the serving engines read its reduced vocabulary themselves (no head expansion)
-    training: TrainingFacts
 
     def recognises(self, config: dict) -> bool:
         """Whether a checkpoint's config.json is a draft of this kind."""
@@ -80,4 +66,5 @@ class DraftKind(Protocol):
         """The held-out replay's ranks (specdec/replay.py: replay_ranks), computed as the decoder proposes."""
 
     def card_facts(self, model: torch.nn.Module) -> dict[str, Any]:
-        """CardInfo fields the model card states for this draft beyond the common ones (train/model_card.py)."""
+        """Facts about this draft its model card's usage section states (train/model_card.py: CardInfo.kind_facts,
+        read by the kind's training side), e.g. EAGLE-3's layer ids."""

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from specdec import vocab
-from specdec.draft_kind import PublishContext, TrainingFacts
+from specdec.draft_kind import PublishContext
 from specdec.drafter import PlainDrafter
 from specdec.ranks import teacher_forced_ranks
 
@@ -49,7 +49,6 @@ class PlainKind:
     sglang_algorithm = "STANDALONE"
     formats = ("engines",)  # a transformers checkpoint (with specdec's id map when its head is reduced)
     maps_vocabulary = False  # only specdec reads the id map: stock engines need the expanded head
-    training = TrainingFacts(entry="specdec.train.plain_train:PlainTraining")
 
     def recognises(self, config: dict) -> bool:
         return True

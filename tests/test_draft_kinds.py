@@ -1,26 +1,33 @@
-"""The draft-kind interface (specdec/draft_kind.py) and its registry (specdec/draft_registry.py): a third kind,
-declared and registered here and nowhere else, decodes exactly, replays its held-out tau and publishes; the
-built-in kinds are found by config, checkpoint, model and recipe value."""
+"""The draft-kind interface (specdec/draft_kind.py) and its registry (specdec/draft_registry.py), with its training
+side (train/kinds/): a third kind, declared and registered here and nowhere else, decodes exactly, replays its
+held-out tau, trains, plans its memory and publishes; the built-in kinds are found by config, checkpoint, model and
+recipe value."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_llama, tiny_tokenizer
-from transformers import LlamaForCausalLM
+from conftest import save_tiny_world, tiny_llama, tiny_tokenizer
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from specdec import draft_registry, speculative_generate, target_generate
-from specdec.draft_kind import PublishContext, TrainingFacts
+from specdec.config import load_config
+from specdec.draft_kind import PublishContext
 from specdec.drafter import PlainDrafter
 from specdec.eagle3 import Eagle3Draft
 from specdec.models import load_model, save_model
 from specdec.ranks import teacher_forced_ranks
 from specdec.replay import replay_runs, target_states
+from specdec.train import distill, kinds, plain_train, plan
 from specdec.train import publish as pub
+from specdec.train.heldout import evaluating
+from specdec.train.kinds import KindOptions, TrainingFacts
+from specdec.train.plan import KindPlan, PlanContext, Term, plain_activations
 
 MARK = "mirror_draft"  # the config.json key that marks the stub kind's checkpoints
 
@@ -39,6 +46,9 @@ class MirrorDraft(torch.nn.Module):
     def get_output_embeddings(self):
         return self.lm.get_output_embeddings()
 
+    def forward(self, **inputs):
+        return self.lm(**inputs)
+
 
 class MirrorKind:
     """A third kind, through the interface only: its drafter and replay are the plain ones on the inner model."""
@@ -48,7 +58,6 @@ class MirrorKind:
     sglang_algorithm = "MIRROR"
     formats = ("mirror",)
     maps_vocabulary = False
-    training = TrainingFacts(entry=None)
 
     def __init__(self):
         self.drafters = 0
@@ -84,10 +93,68 @@ class MirrorKind:
         return {}
 
 
+@dataclasses.dataclass
+class MirrorOptions(KindOptions):
+    """draft=mirror's keys."""
+
+    mirror_loss_weight: float = 1.0  # the cross-entropy's weight
+
+    def __post_init__(self) -> None:
+        if self.mirror_loss_weight <= 0:
+            raise ValueError(f"mirror_loss_weight must be > 0, got {self.mirror_loss_weight}")
+
+
+class MirrorRun:
+    """One run's mirror draft: cross-entropy on the target's tokens, the plain kind's held-out figures."""
+
+    prefetch = None
+
+    def __init__(self, cfg, target):
+        self.cfg, self.model = cfg, MirrorDraft(copy.deepcopy(target).float().requires_grad_(True))
+
+    def counts(self, batch):
+        return None
+
+    def loss(self, model, batch, micro, rank, prefetched=None, denominators=None):
+        mask = batch["loss_mask"].bool()
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        ce = torch.nn.functional.cross_entropy(logits[mask].float(), batch["labels"][mask])
+        return self.cfg.options.mirror_loss_weight * ce
+
+    def evaluate(self, model, chunks, gather):
+        with evaluating(model):
+            part = plain_train.evaluate_part(model.lm, None, chunks, None)
+        return plain_train.merge_parts(gather([part]), self.cfg.eval_k, alpha_is_lower_bound=True)
+
+
+class MirrorTraining:
+    """The third kind's training side, through the interface only (train/kinds/base.py: TrainingKind)."""
+
+    name = "mirror"
+    facts = TrainingFacts(teachers=("online",), lora=False)
+    options = MirrorOptions
+
+    def start(self, cfg, target, tokenizer, vocabulary, device, autocast, folders) -> MirrorRun:
+        return MirrorRun(cfg, target)
+
+    def plan(self, ctx: PlanContext) -> KindPlan:
+        cfg, b, s = ctx.cfg, ctx.cfg.per_device_batch_size, ctx.cfg.max_length
+        model = plan.target.on_meta(lambda: AutoModelForCausalLM.from_config(ctx.target_cfg))
+        fix = ctx.activation_fix()
+        peak = plain_activations(b, s, ctx.tw, ctx.tw.layers, ctx.tw.vocab, ctx.half, cfg.loss)["peak"]
+        return KindPlan(model, fix, heldout=8 * cfg.eval_batch_size * s * ctx.tw.vocab,
+                        step=[Term("activations", peak, f"B={b}, S={s}", fix)], target_why="a copy of it trains")
+
+    def card_usage(self, info, k: int) -> list[str]:
+        return ["## Usage", "", f"`mirror serve {info.model_ref} --proposals {k}`", ""]
+
+
 @pytest.fixture
 def mirror():
     kind = draft_registry.register(MirrorKind())
+    training = kinds.register(MirrorTraining())
     yield kind
+    kinds.unregister(training.name)
     draft_registry.unregister(kind.name)
 
 
@@ -123,7 +190,8 @@ def test_a_registered_kind_publishes_in_its_own_layout(mirror, target64, tmp_pat
                                         format="mirror"))
     assert json.loads((out / "config.json").read_text()) == {MARK: True, "verifier": "acme/tiny-target"}
     card = (out / "README.md").read_text()
-    assert "vLLM `mirror`, SGLang `MIRROR`" in card and '"method": "mirror"' in card
+    assert "vLLM `mirror`, SGLang `MIRROR`" in card
+    assert f"`mirror serve {out.name} --proposals 4`" in card  # its training side's usage section (no local path)
     loaded = load_model(str(out), dtype="float32", device="cpu")
     assert isinstance(loaded, MirrorDraft) and torch.equal(loaded.lm.lm_head.weight, target64.lm_head.weight)
     with pytest.raises(ValueError, match="not a layout of mirror drafts"):
@@ -152,3 +220,50 @@ def test_a_retired_layout_says_what_to_do(tmp_path):
         draft_registry.of_config({"specdec_feature_draft": True})
     with pytest.raises(ValueError, match="replaced by draft: eagle3"):
         draft_registry.for_recipe("feature")
+
+
+def test_a_registered_kind_takes_its_own_options(mirror, tmp_path):
+    cfg = distill.TrainConfig(draft="mirror", mirror_loss_weight=2.0)
+    assert cfg.kind.name == "mirror" and cfg.options == MirrorOptions(2.0) and cfg.mirror_loss_weight == 2.0
+    assert distill.TrainConfig(draft="mirror", mirror={"mirror_loss_weight": 3.0}).options.mirror_loss_weight == 3.0
+    assert distill.TrainConfig(draft="mirror").needs_target  # its only teacher is online
+    recipe = tmp_path / "mirror.yaml"
+    recipe.write_text("draft: mirror\ntrain:\n  mirror:\n    mirror_loss_weight: 3.0\n")
+    assert load_config(distill.TrainConfig, recipe, section="train").mirror_loss_weight == 3.0
+    assert load_config(distill.TrainConfig, recipe, ["mirror.mirror_loss_weight=5"],
+                       section="train").options.mirror_loss_weight == 5.0  # a dotted override of the block
+    with pytest.raises(ValueError, match="set both flat and in the train.mirror block"):
+        load_config(distill.TrainConfig, recipe, ["mirror_loss_weight=5"], section="train")
+    with pytest.raises(ValueError, match="mirror_loss_weight must be > 0"):
+        distill.TrainConfig(draft="mirror", mirror_loss_weight=0.0)
+    with pytest.raises(ValueError, match="ttt_steps is for draft=eagle3, not draft=mirror"):
+        distill.TrainConfig(draft="mirror", ttt_steps=2)
+    with pytest.raises(ValueError, match="mirror_loss_weight is for draft=mirror"):
+        distill.TrainConfig(draft="eagle3", mirror_loss_weight=2.0)
+    with pytest.raises(ValueError, match="teacher=online"):
+        distill.TrainConfig(draft="mirror", teacher="offline")
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_a_registered_kind_trains_plans_and_publishes(mirror, tmp_path, capsys):
+    ws = save_tiny_world(tmp_path / "ws", target_layers=2, small_seed=3, n_train=8, n_heldout=4)
+    cfg = distill.TrainConfig(draft="mirror", target=str(ws / "target"), train_data=str(ws / "data"),
+                              heldout_data=str(ws / "heldout"), output_dir=str(tmp_path / "run"), device="cpu",
+                              max_steps=2, per_device_batch_size=2, warmup_steps=1, eval_every=0, save_every=0,
+                              eval_samples=2, eval_batch_size=2, data_workers=0, mirror_loss_weight=0.5)
+    plan_text = plan.plan_run(cfg, plan.target_config(cfg.target), device_type="cpu", mixed_precision="no").render()
+    assert "activations" in plan_text and "target weights" in plan_text and "a copy of it trains" in plan_text
+    assert distill.main(["--plan", "draft=mirror", f"target={ws / 'target'}", "device=cpu",
+                         "plan_device_gb=80"]) == 0
+    assert "plan: draft mirror" in capsys.readouterr().out
+    final = distill.run(cfg)
+    summary = json.loads((tmp_path / "run" / "train_summary.json").read_text())
+    assert summary["steps"] == 2 and summary["config"]["mirror_loss_weight"] == 0.5
+    assert draft_registry.of_checkpoint(final) is mirror  # saved by its core side
+    trained = load_model(str(final), dtype="float32", device="cpu")
+    assert isinstance(trained, MirrorDraft)
+    target = load_model(str(ws / "target"), dtype="float32", device="cpu")
+    assert not torch.equal(trained.lm.lm_head.weight, target.lm_head.weight)  # it trained
+    out = pub.publish(pub.PublishConfig(draft=str(final), out=str(tmp_path / "pub"), target=str(ws / "target"),
+                                        format="mirror"))
+    assert "`mirror serve" in (out / "README.md").read_text()

@@ -16,6 +16,7 @@ from specdec.eval.config import EvalConfig
 from specdec.eval.engine.vllm import VllmOptions
 from specdec.eval.verify import VerifyConfig
 from specdec.train.data.config import DataConfig
+from specdec.train.kinds.eagle3 import Eagle3Options
 from specdec.train.plan.check import PlanOptions
 from specdec.train.publish import PublishConfig
 from specdec.train.train_config import TrainConfig
@@ -24,7 +25,7 @@ from specdec.train.train_config import TrainConfig
 # leaves out fails the test (EvalConfig takes the engines' option classes as bases).
 CONFIGS = {
     "data": [DataConfig],
-    "train": [TrainConfig, PlanOptions],
+    "train": [TrainConfig, Eagle3Options, PlanOptions],  # and every other kind's options block
     "eval": [EvalConfig, VllmOptions],
     "verify": [VerifyConfig],
     "publish": [PublishConfig],

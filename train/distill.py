@@ -12,11 +12,11 @@ as the decoder proposes: specdec/replay.py) and keep the best tau at `best_k` in
 (accelerator.save_state) go to output_dir/checkpoints/step-N (train/checkpoints.py); the final draft to
 output_dir/final/. `.item()` happens only at log and eval steps.
 
-Each kind of draft owns its construction, teacher signal, loss and held-out figures, in the training entry point
-its kind names (specdec/draft_kind.py: TrainingFacts): token-only drafts in train/plain_train.py (online, offline
-or on-policy teacher), EAGLE-3 drafts (draft=eagle3: they read the target's hidden states, read per batch from the
-data stage's recording or computed per batch, and train on unrolled proposals) in train/eagle3_train.py. The loop
-never asks which kind it holds.
+Each kind of draft owns its construction, teacher signal, loss and held-out figures, through its training side
+(train/kinds/: `TrainingKind.start`, registered by name): token-only drafts in train/plain_train.py (online, offline
+or on-policy teacher), EAGLE-3 drafts (they read the target's hidden states, read per batch from the data stage's
+recording or computed per batch, and train on unrolled proposals) in train/eagle3_train.py. The loop never asks
+which kind it holds.
 """
 
 from __future__ import annotations
@@ -34,12 +34,11 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list, gather_object, set_seed
 from tqdm.auto import tqdm
 
-from specdec import draft_registry
 from specdec.cli import command_help
-from specdec.config import config_from_cli, to_dict, wants_help
+from specdec.config import config_from_cli, wants_help
 from specdec.models import load_model, load_tokenizer, resolve_mixed_precision
 from specdec.tokens import tokenizer_pad_id
-from specdec.train import checkpoints, optim, plan
+from specdec.train import checkpoints, kinds, optim, plan
 from specdec.train import draft as draft_lib
 from specdec.train.batches import (
     CountFrom,
@@ -65,7 +64,7 @@ def _wandb_run(cfg: TrainConfig):
         import wandb
     except ImportError as err:
         raise ValueError("report_to=wandb needs the wandb package: pip install specdec[wandb]") from err
-    return wandb.init(project=cfg.wandb_project, name=cfg.run_name or None, config=to_dict(cfg),
+    return wandb.init(project=cfg.wandb_project, name=cfg.run_name or None, config=cfg.settings(),
                       dir=cfg.output_dir)
 
 
@@ -90,7 +89,7 @@ class Distiller:
         if cfg.lora and sharded:
             raise ValueError("lora=true is supported with single-process or DDP launches (recipes/accelerate/"
                              "single_gpu.yaml, multi_gpu.yaml); use a full fine-tune with FSDP / DeepSpeed")
-        if sharded and draft_registry.for_recipe(cfg.draft).training.replicated:
+        if sharded and kinds.for_recipe(cfg.draft).facts.replicated:
             raise ValueError(f"draft={cfg.draft} trains with DDP (accelerate launch --config_file recipes/accelerate/"
                              "multi_gpu.yaml), not FSDP or DeepSpeed: the draft is small enough to be replicated")
         set_seed(cfg.seed)
@@ -140,10 +139,10 @@ class Distiller:
             target = load_model(cfg.target, dtype=cfg.dtype, device=self.device if cfg.needs_target else "cpu")
             target.requires_grad_(False)
         train_paths, heldout_path = data_folders(cfg)
-        # the draft kind's training entry point (specdec/draft_kind.py: TrainingFacts.entry) builds the draft
-        self.kind = draft_lib.start_training(cfg, target, self.tokenizer, self.draft_vocabulary, self.device,
-                                             autocast=self.accelerator.autocast,
-                                             folders=train_paths + ([heldout_path] if heldout_path else []))
+        # the draft kind's training side (train/kinds/base.py: TrainingKind.start) builds the draft
+        self.kind = kinds.for_recipe(cfg.draft).start(cfg, target, self.tokenizer, self.draft_vocabulary, self.device,
+                                                      autocast=self.accelerator.autocast,
+                                                      folders=train_paths + ([heldout_path] if heldout_path else []))
         self.model = self.kind.model
         self.model.train()
 
@@ -310,7 +309,7 @@ class Distiller:
             summary = {"final": str(final), "steps": step, "best": _jsonable(self.best), "device": str(self.device),
                        "processes": self.world, "mixed_precision": self.accelerator.mixed_precision,
                        "stopped_by": self.stopped_by,
-                       "train_minutes": self.budget.spent() / 60, "config": to_dict(cfg)}
+                       "train_minutes": self.budget.spent() / 60, "config": cfg.settings()}
             (self.out / "train_summary.json").write_text(json.dumps(summary, indent=1))
             log.info("final draft: %s (best tau(k=%d) %.3f at step %s -> %s)", final, cfg.best_k, self.best["tau"],
                      self.best["step"], self.out / "best")

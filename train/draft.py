@@ -4,9 +4,9 @@
                 in a config with fewer layers: still a plain transformers model (save/from_pretrained work)
     scratch     the target's config with overrides (e.g. {num_hidden_layers: 2}), random layers, target
                 embeddings / final norm / head copied (hidden sizes must match)
-    eagle3      an EAGLE-3 draft reading three of the target's hidden states (specdec/eagle3/; trained by
-                train/eagle3_train.py)
     otherwise   a Hub id or local path of a pretrained small model with the target's tokenizer
+
+(A registered draft kind's name, such as eagle3, is built by that kind: train/kinds/.)
 
 A reduced vocabulary keeps the N most frequent target tokens of the distillation completions
 (`specdec.vocab.apply_reduced_head`; the id map is saved by `specdec.models.save_model`).
@@ -15,8 +15,6 @@ A reduced vocabulary keeps the N most frequent target tokens of the distillation
 from __future__ import annotations
 
 import copy
-import importlib
-import inspect
 import logging
 import re
 from collections.abc import Iterable, Sequence
@@ -24,7 +22,6 @@ from collections.abc import Iterable, Sequence
 import torch
 from transformers import AutoModelForCausalLM
 
-from specdec import draft_registry, eagle3
 from specdec import vocab as vocab_lib
 from specdec.models import load_model
 
@@ -32,7 +29,6 @@ log = logging.getLogger(__name__)
 
 DERIVED = "derived"
 SCRATCH = "scratch"
-EAGLE3 = eagle3.NAME  # a registered draft kind (specdec/eagle3/kind.py), trained by train/eagle3_train.py
 _LAYER_KEY = re.compile(r"^(.*\.layers\.)(\d+)\.(.*)$")
 DEFAULT_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -144,40 +140,8 @@ def kept_vocab_size(cfg, target_vocab: int) -> int:
     draft keeps 32,000 ids, the peers' setting), else the full one."""
     if cfg.draft_vocab_size >= 0:
         return cfg.draft_vocab_size
-    default = draft_registry.for_recipe(cfg.draft).training.default_vocab_size
+    default = cfg.kind.facts.default_vocab_size  # train/kinds/base.py: TrainingFacts
     return default if default and target_vocab > default else 0
-
-
-def check_kind(cfg) -> None:
-    """A TrainConfig against its draft kind's training facts (specdec/draft_kind.py: TrainingFacts)."""
-    kind = draft_registry.for_recipe(cfg.draft)  # a retired `draft:` value says what replaced it
-    facts, name = kind.training, f"draft={cfg.draft}"
-
-    def kinds_with(fact: str) -> str:
-        return "draft=" + " or ".join(n for n in draft_registry.names() if getattr(draft_registry.get(n).training, fact))
-
-    if facts.entry is None:
-        raise ValueError(f"{name}: `specdec train` has no training entry point for {kind.name} drafts")
-    if cfg.teacher not in facts.teachers:
-        raise ValueError(f"{name} trains with teacher={' or '.join(facts.teachers)}, not {cfg.teacher}")
-    if cfg.lora and not facts.lora:
-        raise ValueError(f"{name} is a new small module: train it fully (lora=false)")
-    if cfg.pack and not facts.packing:
-        raise ValueError(f"pack=true is for {kinds_with('packing')} ({name}'s attention would cross the packed "
-                         "samples' boundaries)")
-    if cfg.eagle_aux_layer_ids and not facts.reads_target_states:
-        raise ValueError(f"eagle_aux_layer_ids is for {kinds_with('reads_target_states')} ({name} reads no hidden "
-                         "states)")
-
-
-def start_training(cfg, target, tokenizer, vocabulary, device, **context):
-    """The draft kind's training entry point ("module:name" in specdec.train, imported here), called with the
-    run's draft config, target, tokenizer, vocabulary function (size -> kept ids) and device, plus those of
-    `context` (autocast, folders) it takes: it builds the draft and owns its loss and held-out figures."""
-    module, _, attr = draft_registry.for_recipe(cfg.draft).training.entry.partition(":")
-    entry = getattr(importlib.import_module(module), attr)
-    accepted = inspect.signature(entry).parameters
-    return entry(cfg, target, tokenizer, vocabulary, device, **{k: v for k, v in context.items() if k in accepted})
 
 
 def frequent_ids(train_ds, size: int, vocab_size: int, always_keep: Iterable[int] = ()) -> torch.Tensor:

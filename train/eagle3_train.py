@@ -80,7 +80,7 @@ def scored_positions(cfg, batch: dict, inv_map, draft_vocab_size: int) -> tuple[
         position = positions_in_documents(batch["document_ids"][:, :-1])
     else:
         position = torch.arange(scored.shape[1], device=scored.device)[None]
-    return torch.stack([scored & (position >= step) for step in range(cfg.ttt_steps)]), local
+    return torch.stack([scored & (position >= step) for step in range(cfg.options.ttt_steps)]), local
 
 
 def _loss_sum(cfg, inner, target_head, vocab_map, prenorm, teacher_in, top_ids, top_logprobs, local) -> torch.Tensor:
@@ -106,14 +106,15 @@ def eagle3_loss(cfg, draft, batch: dict, states: torch.Tensor, target_head, inv_
     hidden = inner.config.target_hidden_size
     # Through the (possibly DDP-wrapped) forward, so that gradients synchronise across processes.
     outs = draft(batch["input_ids"], states[..., hidden:], attention_mask=batch["attention_mask"],
-                 ttt_steps=cfg.ttt_steps, document_ids=batch.get("document_ids"))
+                 ttt_steps=cfg.options.ttt_steps, document_ids=batch.get("document_ids"))
     masks, local = scored_positions(cfg, batch, inv_map, inner.config.draft_vocab_size)
     if denominators is None:
         denominators = masks.flatten(1).sum(1).clamp(min=1)
     # Every parameter in the graph, even where nothing is scored: DDP's reducer expects a gradient for each.
     total = sum(out.sum() for out in outs) * 0.0 + inner.logits(outs[-1][:, :1]).sum() * 0.0
     chunk = loss_chunk_rows(inner.config.draft_vocab_size)
-    for out, mask, weight, denominator in zip(outs, masks, step_weights(cfg.ttt_steps, cfg.ttt_decay), denominators):
+    weights = step_weights(cfg.options.ttt_steps, cfg.options.ttt_decay)
+    for out, mask, weight, denominator in zip(outs, masks, weights, denominators):
         picked = [out[mask], states[:, 1:, :hidden][mask] if target_head is not None else None,
                   batch["top_ids"][:, 1:][mask] if target_head is None and "top_ids" in batch else None,
                   batch["top_logprobs"][:, 1:][mask] if target_head is None and "top_logprobs" in batch else None,
@@ -170,9 +171,10 @@ class Eagle3Training:
         vocab = target.get_input_embeddings().num_embeddings
         size = kept_vocab_size(cfg, vocab)
         keep = vocabulary(vocab, size) if size else None
-        model = Eagle3Draft.from_target(target, cfg.eagle_aux_layer_ids or None, keep, cfg.seed,
-                                        layer_init=cfg.layer_init, fc_init=cfg.fc_init,
-                                        norm_before_residual=cfg.norm_before_residual)
+        opts = cfg.options  # train/kinds/eagle3.py: Eagle3Options
+        model = Eagle3Draft.from_target(target, opts.eagle_aux_layer_ids or None, keep, cfg.seed,
+                                        layer_init=opts.layer_init, fc_init=opts.fc_init,
+                                        norm_before_residual=opts.norm_before_residual)
         model = model.float().to(device)
         check_compatible(tokenizer, tokenizer, target, model)
         if cfg.freeze_head:
@@ -182,7 +184,7 @@ class Eagle3Training:
         self.inv_map = losses.target_to_draft_map(model.draft_to_target, target.get_output_embeddings().out_features)
         width = (1 + len(model.layer_ids)) * model.config.target_hidden_size
         reader = StatesReader(folders, model.layer_ids, width)
-        self.states = States(cfg.states, target, autocast, reader, model.layer_ids)
+        self.states = States(opts.states, target, autocast, reader, model.layer_ids)
         self.prefetch = partial(read_ahead, self.states.source, reader)
         self.model = model
 

@@ -14,6 +14,8 @@ from typing import Any
 
 import yaml
 
+from specdec.train import kinds
+
 TAGS = ("speculative-decoding", "draft-model", "assistant-model", "specdec")
 DEFAULT_K = 4  # the snippets' k when no report measured one
 LEAK_WARNING = 0.01  # an expanded head putting more than this mass on dropped ids gets a note in the card
@@ -43,12 +45,14 @@ class CardInfo:
     data: str | None = None
     license: str = "apache-2.0"
     model_on_hub: bool = False  # model_ref is a Hub repo id (the export was pushed)
-    # The draft kind's facts (specdec/draft_kind.py: vllm_method, sglang_algorithm, maps_vocabulary, card_facts)
-    method: str = "draft_model"  # vLLM's speculative method: draft_model (a plain causal LM), eagle3, ...
+    # The draft kind's facts (specdec/draft_kind.py: name, vllm_method, sglang_algorithm, maps_vocabulary,
+    # card_facts); the kind's training side writes the usage section from them (train/kinds/: card_usage)
+    kind: str = "plain"  # the draft kind's registry name
+    method: str = "draft_model"  # vLLM's speculative method (the kind's vllm_method)
     sglang_algorithm: str = "STANDALONE"  # SGLang's --speculative-algorithm
     engines_map_vocabulary: bool = False  # the engines read a reduced vocabulary's map themselves (EAGLE-3's d2t)
-    layer_ids: list[int] = dataclasses.field(default_factory=list)  # the target layers an EAGLE-3 draft reads
-    format: str = "engines"  # the kind's layout: EAGLE-3's engines (vLLM + SGLang) or speculators
+    kind_facts: dict[str, Any] = dataclasses.field(default_factory=dict)  # the kind's card_facts (its layer ids ...)
+    format: str = "engines"  # the kind's layout, one of its `formats` (the first: its default)
 
     def __post_init__(self) -> None:
         if self.head not in ("full", "reduced", "expanded"):
@@ -268,95 +272,11 @@ def _specdec_lines(info: CardInfo, k: int, tree: str | None) -> list[str]:
 
 
 def _snippets(info: CardInfo, k: int, tree: str | None = None) -> list[str]:
-    """Usage snippets; `tree`: the draft tree the report measured in specdec's decoder (the engines run a chain)."""
-    specdec_lines = _specdec_lines(info, k, tree)
-    if info.layer_ids:  # a draft that reads the target's hidden states: the engines' EAGLE-3 path
-        return _eagle3_usage(info, k, json.dumps) + specdec_lines
-    if info.head == "reduced":
-        return ["## Usage", "", "Only specdec can run this export (see the warning above).", ""] + specdec_lines
-    return _token_usage(info, k, json.dumps) + specdec_lines
-
-
-def _token_usage(info: CardInfo, k: int, q) -> list[str]:
-    """How transformers, vLLM and SGLang run a draft that reads tokens only."""
-    draft, target = info.model_ref, info.target_ref
-    vllm_config = json.dumps({"model": draft, "method": info.method, "num_speculative_tokens": k})
-    return [
-        "## Usage",
-        "",
-        "The draft only changes speed: greedy output is token-identical to the target alone, and sampled "
-        "output is distributed as the target's.",
-        "",
-        "### transformers (assisted generation)",
-        "",
-        "```python",
-        "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        "",
-        f"tok = AutoTokenizer.from_pretrained({q(target)})",
-        f"target = AutoModelForCausalLM.from_pretrained({q(target)})",
-        f"draft = AutoModelForCausalLM.from_pretrained({q(draft)})",
-        f"draft.generation_config.num_assistant_tokens = {k}",
-        'draft.generation_config.num_assistant_tokens_schedule = "constant"',
-        'inputs = tok.apply_chat_template([{"role": "user", "content": "Hello!"}], add_generation_prompt=True,',
-        '                                 return_tensors="pt", return_dict=True)',
-        "out = target.generate(**inputs, assistant_model=draft, do_sample=False, max_new_tokens=128)",
-        'print(tok.decode(out[0, inputs["input_ids"].shape[1]:]))',
-        "```",
-        "",
-        "### vLLM (draft-model speculative decoding)",
-        "",
-        *_vllm_lines(target, vllm_config, q),
-        "### SGLang (standalone draft model)",
-        "",
-        *_sglang_lines(target, draft, info.sglang_algorithm, k),
-        "",
-    ]
-
-
-def _eagle3_usage(info: CardInfo, k: int, q) -> list[str]:
-    """How vLLM and SGLang (engines layout) or speculators and `vllm serve` (speculators layout) run this draft."""
-    draft, target = info.model_ref, info.target_ref
-    vllm_config = json.dumps({"method": info.method, "model": draft, "num_speculative_tokens": k})
-    ids = info.layer_ids
-    lines = [
-        "## Usage",
-        "",
-        "An EAGLE-3 draft (Li et al. 2025, arXiv:2503.01840): besides the tokens, its one layer reads the "
-        f"target's residual stream after layers {ids} (vLLM's `eagle_aux_hidden_state_layer_ids`; SGLang's "
-        f"`eagle_config` numbers the same layers {[i - 1 for i in ids]}), which the serving engine passes to it. "
-        "Every flag whose default differs between engines is written out (`norm_before_residual: false`). "
-        "transformers' assisted generation does not run EAGLE drafts.",
-        "",
-        "The draft only changes speed: greedy output is token-identical to the target alone, and sampled "
-        "output is distributed as the target's.",
-        "",
-    ]
-    if info.format == "speculators":
-        return lines + [
-            "This folder is in vLLM speculators' format: `vllm serve` detects it and takes the target from "
-            "its config, and `speculators`' `Eagle3DraftModel.from_pretrained` loads it. SGLang does not read "
-            "this layout: for SGLang, publish with `format=engines`.",
-            "",
-            "### vLLM",
-            "",
-            "```bash",
-            f"vllm serve {draft}",
-            "```",
-            "",
-            *_vllm_lines(target, vllm_config, q)[:7],
-        ]
-    return lines + [
-        "This folder is in the layout both vLLM and SGLang load (`LlamaForCausalLMEagle3`). Name the method "
-        "explicitly: vLLM otherwise guesses it from the folder's name.",
-        "",
-        "### vLLM",
-        "",
-        *_vllm_lines(target, vllm_config, q),
-        "### SGLang",
-        "",
-        *_sglang_lines(target, draft, info.sglang_algorithm, k),
-        "",
-    ]
+    """Usage snippets: the draft kind's (how the engines run it), then specdec's; `tree`: the draft tree the report
+    measured in specdec's decoder (the engines run a chain)."""
+    # a kind without a training side (registered in the core only) gets the plain kind's engine snippets
+    kind = kinds.get(info.kind) if info.kind in kinds.names() else kinds.PLAIN
+    return kind.card_usage(info, k) + _specdec_lines(info, k, tree)
 
 
 def render_card(info: CardInfo, report: dict | None = None) -> str:
@@ -401,31 +321,3 @@ def render_card(info: CardInfo, report: dict | None = None) -> str:
         lines += ["The target is not a Hub model, so the snippets load it from "
                   f"`{info.target_ref}`: replace that with where your copy of the target lives.", ""]
     return "\n".join(lines).rstrip() + "\n"
-
-
-def _vllm_lines(target: str, vllm_config: str, q) -> list[str]:
-    """vLLM's offline API (7 lines) then `vllm serve`, both with this speculative config."""
-    return [
-        "```python",
-        "from vllm import LLM, SamplingParams",
-        "",
-        f"llm = LLM(model={q(target)}, speculative_config={vllm_config})",
-        'print(llm.generate(["Hello!"], SamplingParams(temperature=0, max_tokens=128))[0].outputs[0].text)',
-        "```",
-        "",
-        "```bash",
-        f"vllm serve {target} --speculative-config '{vllm_config}'",
-        "```",
-        "",
-    ]
-
-
-def _sglang_lines(target: str, draft: str, algorithm: str, k: int) -> list[str]:
-    """SGLang's server with this draft as a chain of k proposals."""
-    return [
-        "```bash",
-        f"python -m sglang.launch_server --model-path {target} \\",
-        f"    --speculative-algorithm {algorithm} --speculative-draft-model-path {draft} \\",
-        f"    --speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}",
-        "```",
-    ]

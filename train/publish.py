@@ -434,8 +434,8 @@ def _card_info(cfg: PublishConfig, out: Path, model, target: str, dtype, head_fa
         recipe=cfg.recipe and public_path(cfg.recipe), data=scrub_paths(cfg.data or _recipe_data(cfg.recipe)),
         license=cfg.license.strip(),
         model_on_hub=cfg.push_to_hub is not None, format=cfg.format,
-        method=kind.vllm_method, sglang_algorithm=kind.sglang_algorithm, engines_map_vocabulary=kind.maps_vocabulary,
-        **kind.card_facts(model),
+        kind=kind.name, method=kind.vllm_method, sglang_algorithm=kind.sglang_algorithm,
+        engines_map_vocabulary=kind.maps_vocabulary, kind_facts=kind.card_facts(model),
     )
 
 

@@ -1,17 +1,16 @@
-"""The `train:` section of a recipe: every setting of `specdec train`, its default and its check."""
+"""The `train:` section of a recipe: every setting of `specdec train`, its default and its check; each draft kind's
+own keys are its options block (train/kinds/options.py)."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
 
-from specdec import draft_registry
 from specdec.models import EMBEDDED_TARGET
-from specdec.train import draft as draft_lib
-from specdec.train import losses
+from specdec.train import kinds, losses
 from specdec.train.budget import SCHEDULES, check_minutes
 from specdec.train.draft import DEFAULT_LORA_MODULES, DERIVED, SCRATCH
-from specdec.train.eagle3_states import SOURCES as STATES_SOURCES
+from specdec.train.kinds.options import takes_kind_options
 from specdec.train.optim import OPTIMIZERS
 
 log = logging.getLogger(__name__)
@@ -19,15 +18,16 @@ log = logging.getLogger(__name__)
 TEACHERS = ("online", "offline", "on_policy")
 
 
+@takes_kind_options
 @dataclass
 class TrainConfig:
-    """The `train:` section of a recipe (plus the shared keys). See recipes/*.yaml for worked examples."""
+    """The `train:` section of a recipe (plus the shared keys). See recipes/*.yaml for worked examples. The keys
+    only one kind of draft reads are in that kind's options block (train/kinds/: `cfg.options`)."""
 
     # --- shared keys
     target: str = EMBEDDED_TARGET  # the target: Hub id, local checkpoint folder or embedded:smollm2-135m-instruct
-    # The draft to train: derived (a few of the target's layers, draft_layers), eagle3 (an EAGLE-3 layer reading
-    # the target's hidden states), scratch (the target's config with draft_config, random layers), or the Hub id /
-    # local path of a pretrained small model with the target's tokenizer.
+    # The draft to train: derived (a few of the target's layers, draft_layers), scratch (the target's config with draft_config, random layers), the Hub id / local path
+    # of a pretrained small model with the target's tokenizer, or a registered kind (eagle3: its options below).
     draft: str = DERIVED
     seed: int = 0  # seeds the new weights, the batch order and on-policy sampling
     # The run's folder: checkpoints/, best/ (the best held-out tau), final/ (the draft), eval.jsonl,
@@ -47,14 +47,15 @@ class TrainConfig:
     heldout_data: str = ""
     heldout_fraction: float = 0.05  # share of prompts (hashed prompt_id) held out when there is no held-out folder
     max_length: int = 1024  # tokens per sample (prompt + completion) the draft reads; longer samples are cut
-    # --- draft construction
+    # --- draft construction (a kind's own construction keys are in its options block)
     # draft=derived: the target's layers the draft keeps, in order (negatives count from the end), with the
     # target's embeddings, final norm and head.
     draft_layers: list[int] = field(default_factory=lambda: [0, 1, -1])
     # draft=scratch: overrides of the target's config, e.g. {num_hidden_layers: 2} (hidden_size stays the target's).
     draft_config: dict = field(default_factory=dict)
-    # N = keep the N most frequent completion tokens in the head; 0 = the full vocabulary; -1 = auto (an EAGLE-3
-    # draft keeps 32,000 over a larger vocabulary, as the peers do; a token-only draft the full one)
+    # N = keep the N most frequent completion tokens in the head; 0 = the full vocabulary; -1 = auto (the draft
+    # kind's default over a larger vocabulary: an EAGLE-3 draft keeps 32,000, as the peers do; a plain draft the
+    # full one)
     draft_vocab_size: int = -1
     # Keep the input embeddings (the target's) fixed: tokens absent from the training data keep embeddings
     # that match the trained layers. With a tied full head this freezes the head too.
@@ -62,24 +63,6 @@ class TrainConfig:
     # Keep the head (the target's rows) fixed: the draft learns to land in the target's final hidden space,
     # so ids rare in the training data keep the target's own output directions.
     freeze_head: bool = False
-    # draft=eagle3 (specdec/eagle3/): the target layers whose residual streams it reads, counted as vLLM's
-    # eagle_aux_hidden_state_layer_ids (after i layers); [] = the engines' default (2, N // 2, N - 3)
-    eagle_aux_layer_ids: list[int] = field(default_factory=list)
-    ttt_steps: int = 3  # training-time test: proposals unrolled per position (EAGLE-3's scheme; 1 = the first only)
-    ttt_decay: float = 0.8  # step j's loss weighs decay^(j-1) (EAGLE-3, SpecForge), normalised to sum to one
-    # draft=eagle3: how its decoder layer starts: random (Llama's init) or target (a copy of the target's last
-    # decoder layer, read where the draft reads the states).
-    layer_init: str = "random"
-    # draft=eagle3: how fc (the projection of the target's states) starts: random, or last_state (it passes the
-    # last recorded state through).
-    fc_init: str = "random"
-    # draft=eagle3: the residual is the normed state (speculators' CLI default); written into the draft's config,
-    # which vLLM and SGLang read.
-    norm_before_residual: bool = False
-    # draft=eagle3: where the target's states come from, per batch (train/eagle3_states.py): recorded (the data
-    # stage's record_features=true), online (the target runs on each batch; nothing is stored), or auto
-    # (recorded where a row has them, else online)
-    states: str = "auto"
     # --- teacher signal and loss
     # The teacher signal: online (the target's logits, computed on each batch), offline (the top-n log-probs the
     # data stage stored with top_logprobs=N; loss=ce needs none), or on_policy (online, and on_policy_fraction of
@@ -120,8 +103,8 @@ class TrainConfig:
     # bf16 or fp16.
     mixed_precision: str = "auto"
     bucket_by_length: bool = True  # batch samples of similar length together (less padding); false = random batches
-    # draft=eagle3: each micro-batch's samples packed into rows of at most max_length tokens, every attention,
-    # position and loss kept within its sample (no padding computed; the same loss as unpacked)
+    # Each micro-batch's samples packed into rows of at most max_length tokens, every attention, position and loss
+    # kept within its sample (no padding computed; the same loss as unpacked); for kinds whose facts allow packing
     pack: bool = False
     # Loader processes that collate micro-batches (and read recorded states) ahead of the step; 0 = the training
     # process does it.
@@ -153,6 +136,9 @@ class TrainConfig:
     # --- the memory plan (train/plan/), which every run checks before it starts
     plan_device_gb: float = 0.0  # memory per device (GiB) to plan and check against; 0 = this device's
     plan_devices: int = 0  # processes to plan for (`specdec train --plan`); 0 = this launch's
+    # Every registered draft kind's options block (train/kinds/options.py), set through the keys listed under the
+    # kinds below: flat in `train:` (KEY: VALUE) or in a block named after the kind (NAME: {KEY: VALUE}).
+    kind_options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.teacher not in TEACHERS:
@@ -170,7 +156,7 @@ class TrainConfig:
         if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):
             raise ValueError(f"mixed_precision must be auto, no, bf16 or fp16, got {self.mixed_precision!r}")
         for name in ("max_steps", "per_device_batch_size", "grad_accum_steps", "max_length", "eval_batch_size",
-                     "log_every", "keep_checkpoints", "on_policy_max_new_tokens", "ttt_steps"):
+                     "log_every", "keep_checkpoints", "on_policy_max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         check_minutes(self.max_minutes)
@@ -187,20 +173,15 @@ class TrainConfig:
                              f"{self.draft_vocab_size}")
         if not self.eval_k or min(self.eval_k) < 1 or self.best_k not in self.eval_k:
             raise ValueError(f"eval_k must list k >= 1 and include best_k={self.best_k}, got {self.eval_k}")
-        if self.states not in STATES_SOURCES:
-            raise ValueError(f"states must be one of {', '.join(STATES_SOURCES)}, got {self.states!r}")
-        if not 0.0 < self.ttt_decay <= 1.0:
-            raise ValueError(f"ttt_decay must be in (0, 1], got {self.ttt_decay}")
-        for name, allowed in (("optimizer", OPTIMIZERS), ("lr_schedule", tuple(SCHEDULES)),
-                              ("layer_init", ("random", "target")), ("fc_init", ("random", "last_state"))):
+        for name, allowed in (("optimizer", OPTIMIZERS), ("lr_schedule", tuple(SCHEDULES))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
-        draft_lib.check_kind(self)
+        kinds.check(self)
         if self.lora and self.draft in (DERIVED, SCRATCH):
             log.warning("lora=true on a %s draft: usually a full fine-tune is better for new layer stacks", self.draft)
 
     @property
     def needs_target(self) -> bool:
-        """The target runs in the loop: for its logits (online teacher) or its hidden states (an EAGLE-3 draft)."""
-        kind = draft_registry.for_recipe(self.draft)  # specdec/draft_kind.py: TrainingFacts
-        return self.teacher in ("online", "on_policy") or kind.training.reads_target_states
+        """The target runs in the loop: for its logits (online teacher) or its hidden states (a kind that reads
+        them: train/kinds/base.py, TrainingFacts)."""
+        return self.teacher in ("online", "on_policy") or kinds.for_recipe(self.draft).facts.reads_target_states

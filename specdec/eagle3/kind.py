@@ -1,12 +1,12 @@
 """The EAGLE-3 draft kind (specdec/draft_kind.py's interface): recognised by its config, loaded and published in
-the engines' and speculators' layouts, decoded with the target's hidden states, replayed unrolled, trained by
-train/eagle3_train.py."""
+the engines' and speculators' layouts, decoded with the target's hidden states, replayed unrolled; its training
+side is train/kinds/eagle3.py."""
 
 from __future__ import annotations
 
 import torch
 
-from specdec.draft_kind import PublishContext, TrainingFacts
+from specdec.draft_kind import PublishContext
 from specdec.eagle3 import formats
 from specdec.eagle3.drafter import Eagle3Drafter
 from specdec.eagle3.model import Eagle3Draft
@@ -25,13 +25,6 @@ class Eagle3Kind:
     sglang_algorithm = "EAGLE3"
     formats = formats.FORMATS
     maps_vocabulary = True  # both engines read d2t
-    training = TrainingFacts(
-        entry="specdec.train.eagle3_train:Eagle3Training",
-        # its unrolled steps already show it its own proposals: no on-policy teacher
-        teachers=("online", "offline"), lora=False, packing=True, reads_target_states=True,
-        # one decoder layer and a head: replicated whole, and its loss and replay call the module outside its
-        # wrapped forward, which sharded parameters do not allow
-        replicated=True, default_vocab_size=DEFAULT_VOCAB)
 
     def recognises(self, config: dict) -> bool:
         return formats.is_eagle3_config(config)

@@ -19,8 +19,9 @@ a phase's tensors are freed before the next phase starts:
                     on a CPU under half autocast oneDNN's cached kernels (memory.py: ONEDNN_SHAPE_BYTES)
     train step      gradients (float32 per trainable parameter), autocast's half copies of the matmul weights
                     (kept for backward), the micro-batch's inputs (an EAGLE-3 draft's target states, float32),
-                    activations (`activations.py`)
-    target forward  states computed online: the target's forward over a micro-batch, without grad
+                    activations (`activations.py`, or the kind's own formula)
+    the kind's      a kind's own phases, e.g. EAGLE-3's target forward over a micro-batch for its states online
+
     held-out        the held-out replay over `eval_batch_size` rows of `max_length`
     optimizer step  gradients and one float32 temporary per trainable parameter (AdamW's foreach update)
 
@@ -31,13 +32,14 @@ against measured peaks of real training steps. The recorded states' read rate an
 (token ids, top-n log-probs, recorded states) are reported beside, not added to memory.
 
     target.py       the target's config without weights, widths, parameter counts on the meta device
-    activations.py  the activation formulas
-    memory.py       the run's terms: `plan_run`
+    activations.py  the activation formulas of a causal-LM draft and of a target forward
+    kind.py         what a draft kind adds: `PlanContext` in, `KindPlan` out (the kind's `plan`, train/kinds/)
+    memory.py       the run's terms: `plan_run`, the common ones and the kind's
     report.py       `Plan` and `Term`: the plan as data and text, the check against the device's memory
     check.py        this machine's plan: `plan_for`, `specdec train --plan` (`show`), every run's `check_run`
 """
 
-from specdec.train.plan.activations import eagle3_activations, plain_activations, target_forward_bytes
+from specdec.train.plan.activations import plain_activations, target_forward_bytes
 from specdec.train.plan.check import (
     PlanOptions,
     check_run,
@@ -48,12 +50,13 @@ from specdec.train.plan.check import (
     show,
     split_plan_args,
 )
+from specdec.train.plan.kind import KindPlan, PlanContext
 from specdec.train.plan.memory import plan_run
 from specdec.train.plan.report import GiB, Plan, Term
 from specdec.train.plan.target import Widths, config_from_dict, target_config, target_parameters
 
 __all__ = [
-    "GiB", "Plan", "PlanOptions", "Term", "Widths", "check_run", "config_from_dict", "device_memory",
-    "eagle3_activations", "help_lines", "plain_activations", "plan_for", "plan_run", "recipe_data_config", "show",
+    "GiB", "KindPlan", "Plan", "PlanContext", "PlanOptions", "Term", "Widths", "check_run", "config_from_dict",
+    "device_memory", "help_lines", "plain_activations", "plan_for", "plan_run", "recipe_data_config", "show",
     "split_plan_args", "target_config", "target_forward_bytes", "target_parameters",
 ]
