@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from specdec import replay
+from specdec import draft_registry, replay
 from specdec.decode import target_generate
 from specdec.eval import decision as decision_mod
 from specdec.eval import metrics, proposals
@@ -37,7 +37,9 @@ def choose_num_draft_tokens(target, draft, prompts: list[list[int]], candidates:
     tau = {p: proposals.replayed_tau(ranks, p) for p in candidates}
     nodes = sorted({p.verified_nodes for p in candidates})
     costs = measure_costs(target, draft, torch.tensor([prompts[0]], device=device), nodes, cfg.cost_repeats)
-    predicted = {p: proposals.predicted_speedup(tau[p], p, costs["c"], costs["v"]) for p in candidates}
+    kind = draft_registry.of_model(draft)
+    predicted = {p: proposals.predicted_speedup(tau[p], p, costs["c"], costs["v"], kind.draft_forwards(p))
+                 for p in candidates}
     # a round emits its accepted tokens plus one correction or bonus token, and proposes d
     acceptance = {p: (tau[p] - 1.0) / p.depth for p in candidates}
     longest = longest_prompt or max(map(len, prompts))

@@ -33,7 +33,8 @@ def replayed_tau(ranks, p: Proposal) -> float:
     return replay.tau_from_runs(runs, [len(widths)])[len(widths)]
 
 
-def predicted_speedup(tau: float, p: Proposal, c: float, v: dict[str, float]) -> float:
-    """tau / (d c + v(n + 1)): d draft forwards per round (a tree's levels; each feeds its nodes at once), n nodes
-    verified in one target forward."""
-    return tau / (p.depth * c + v[str(p.verified_nodes)])
+def predicted_speedup(tau: float, p: Proposal, c: float, v: dict[str, float], forwards: int | None = None) -> float:
+    """tau / (d c + v(n + 1)): d draft forwards per round (a tree's levels; each feeds its nodes at once; a block
+    or parallel draft's `forwards`, from its kind: specdec/draft_kind.py `draft_forwards`), n nodes verified in one
+    target forward."""
+    return tau / ((p.depth if forwards is None else forwards) * c + v[str(p.verified_nodes)])

@@ -65,6 +65,11 @@ class DraftKind(Protocol):
                      steps: int, states: torch.Tensor | None) -> list[list[list[int]]]:
         """The held-out replay's ranks (specdec/replay.py: replay_ranks), computed as the decoder proposes."""
 
+    def draft_forwards(self, proposal) -> int:
+        """Draft forwards one round of `proposal` (specdec/proposal.py) costs: its depth for a kind that proposes a
+        token a forward (a tree feeds each level's nodes at once); 1 for a block or parallel draft, which proposes
+        the whole round in one forward. choose_k's cost model reads it: tau / (forwards c + v(n + 1))."""
+
     def card_facts(self, model: torch.nn.Module) -> dict[str, Any]:
         """Facts about this draft its model card's usage section states (train/model_card.py: CardInfo.kind_facts,
         read by the kind's training side), e.g. EAGLE-3's layer ids."""

@@ -80,5 +80,8 @@ class PlainKind:
     def replay_ranks(self, draft, input_ids, attention_mask, loss_mask, steps: int, states=None):
         return teacher_forced_ranks(draft, input_ids, attention_mask, loss_mask, steps)
 
+    def draft_forwards(self, proposal) -> int:
+        return proposal.depth  # one token a forward (a tree: one forward a level)
+
     def card_facts(self, model) -> dict:
         return {}

@@ -89,6 +89,9 @@ class MirrorKind:
     def replay_ranks(self, draft, input_ids, attention_mask, loss_mask, steps, states):
         return teacher_forced_ranks(draft.lm, input_ids, attention_mask, loss_mask, steps)
 
+    def draft_forwards(self, proposal) -> int:
+        return proposal.depth  # one token a forward (a tree: one forward a level)
+
     def card_facts(self, model) -> dict:
         return {}
 

@@ -62,5 +62,8 @@ class Eagle3Kind:
     def replay_ranks(self, draft: Eagle3Draft, input_ids, attention_mask, loss_mask, steps: int, states):
         return unrolled_ranks(draft, input_ids, attention_mask, loss_mask, steps, states)
 
+    def draft_forwards(self, proposal) -> int:
+        return proposal.depth  # one token a forward (a tree: one forward a level)
+
     def card_facts(self, model: Eagle3Draft) -> dict:
         return {"layer_ids": list(model.layer_ids)}
