@@ -29,6 +29,7 @@ class EvalConfig(*engines.option_classes()):
     prompts: str = "embedded:heldout"  # .jsonl/.json prompt file; default: the shipped held-out prompt set
     num_prompts: int | None = None  # the first N prompts (None: all)
     use_chat_template: bool = True  # wrap prompts in the target's chat template; false = the raw text
+    chat_template_kwargs: dict | None = None  # more chat-template arguments, e.g. {enable_thinking: false} (Qwen3)
     num_draft_tokens: list[int] = field(default_factory=lambda: [4])  # k, draft tokens per round; a list sweeps
     # Draft trees swept beside the chains, at batch size 1 (specdec/tree.py): e.g. 3x1x1 (top 3, then top 1),
     # dyn8 (EAGLE-2's dynamic tree of 8 nodes). [] = chains only.

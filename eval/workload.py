@@ -38,7 +38,8 @@ class Workload:
 
 def encode_workload(cfg: EvalConfig, tokenizer, prompts: list[Prompt]) -> list[list[int]]:
     """Each prompt's token ids (its first turn, through the chat template when asked), none of them empty."""
-    encoded = [encode_prompt(tokenizer, first_turn(p.messages), cfg.use_chat_template) for p in prompts]
+    encoded = [encode_prompt(tokenizer, first_turn(p.messages), cfg.use_chat_template, cfg.chat_template_kwargs,
+                             p.tools) for p in prompts]
     if any(len(e) == 0 for e in encoded):
         raise ValueError("a prompt encodes to zero tokens; remove empty prompts from the file")
     return encoded

@@ -70,6 +70,10 @@ class DraftKind(Protocol):
         token a forward (a tree feeds each level's nodes at once); 1 for a block or parallel draft, which proposes
         the whole round in one forward. choose_k's cost model reads it: tau / (forwards c + v(n + 1))."""
 
+    # Optional: `vllm_speculative_config(self, model) -> dict`, the keys this kind adds to vLLM's speculative_config
+    # (`model`: the draft's config.json as a dict, what the serving engine knows of it; e.g. the parallel kind's
+    # {"parallel_drafting": true}); eval/engine/vllm.py reads it with getattr, so a kind without it adds nothing.
+
     def card_facts(self, model: torch.nn.Module) -> dict[str, Any]:
         """Facts about this draft its model card's usage section states (train/model_card.py: CardInfo.kind_facts,
         read by the kind's training side), e.g. EAGLE-3's layer ids."""

@@ -19,8 +19,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from specdec.dflash.kind import DFlashKind
 from specdec.draft_kind import DraftKind
-from specdec.eagle3.kind import Eagle3Kind
+from specdec.eagle3.kind import Eagle3Kind, PEagleKind
+from specdec.parallel_draft import ParallelKind
 from specdec.plain_draft import PlainKind
 from specdec.sampling import SamplingConfig
 
@@ -110,3 +112,6 @@ def make_drafter(draft, target, sampling: SamplingConfig):
 
 register(PLAIN)
 register(Eagle3Kind())
+register(DFlashKind())
+register(PEagleKind())
+register(ParallelKind())

@@ -9,6 +9,10 @@ Accepted record shapes (one JSON object per line of a .jsonl file, or a JSON lis
 
 Optional `prompt_id` / `id` and `category` keys are kept. A `column_map` renames a data set's own columns
 to these keys first, e.g. `{"instruction": "prompt"}`.
+
+Chats may hold tool calls in the OpenAI message format: an assistant message with `tool_calls` (its content may be
+empty), `tool` messages with the results, and a record-level `tools` list (the functions offered, passed to the
+chat template). An assistant message's `reasoning_content` (or `thinking`) is kept for templates that render it.
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ ACCEPTED_FORMATS = (
 )
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                    "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "system": "system"}
-_ROLES = ("system", "user", "assistant")
+_ROLES = ("system", "user", "assistant", "tool")
+# Keys of a chat message kept beside role and content (tool calls and results, reasoning).
+_MESSAGE_EXTRAS = ("tool_calls", "tool_call_id", "name", "reasoning_content", "thinking")
 
 
 @dataclass
@@ -36,6 +42,7 @@ class Prompt:
     category: str | None
     messages: list[dict]
     line: int | None = field(default=None, compare=False)  # its line in a .jsonl file (for errors that name it)
+    tools: list[dict] | None = None  # the functions a tool-calling chat offers (OpenAI format), for the template
 
     @property
     def turns(self) -> list[str]:
@@ -49,16 +56,53 @@ def _check_text(value: Any, where: str) -> str:
     return value
 
 
+def _check_tool_calls(calls: Any, where: str) -> list[dict]:
+    """An assistant message's `tool_calls`: a non-empty list of {type: function, function: {name, arguments}}."""
+    if not isinstance(calls, list) or not calls:
+        raise ValueError(f"{where}: 'tool_calls' must be a non-empty list of {{type: function, function: "
+                         f"{{name, arguments}}}} objects (OpenAI format), got {calls!r}")
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise ValueError(f"{where}: tool call {j} must be {{type: function, function: {{name, arguments}}}} "
+                             f"with a non-empty name (OpenAI format), got {call!r}")
+        if call.get("type", "function") != "function":
+            raise ValueError(f"{where}: tool call {j} has type {call['type']!r}; only type 'function' is supported")
+    return calls
+
+
+def _chat_message(m: Any, where: str) -> dict:
+    """One checked chat message: role and content, and the extras a template reads (tool calls, reasoning)."""
+    if not isinstance(m, dict) or "role" not in m or ("content" not in m and "tool_calls" not in m):
+        raise ValueError(f"{where} must be an object with 'role' and 'content', got {m!r}")
+    if m["role"] not in _ROLES:
+        raise ValueError(f"{where} has role {m['role']!r}; use one of {', '.join(_ROLES)}")
+    out = {"role": m["role"]}
+    if m.get("tool_calls") is not None:
+        if m["role"] != "assistant":
+            raise ValueError(f"{where}: only an assistant message may hold 'tool_calls', not a {m['role']} one")
+        out["tool_calls"] = _check_tool_calls(m["tool_calls"], where)
+        content = m.get("content")
+        out["content"] = "" if content is None else content
+        if not isinstance(out["content"], str):
+            raise ValueError(f"{where} content must be a string (or empty beside tool_calls), got {content!r}")
+    else:
+        out["content"] = _check_text(m["content"], f"{where} content")
+    for key in _MESSAGE_EXTRAS:
+        if key != "tool_calls" and m.get(key) is not None:
+            out[key] = m[key]
+    return out
+
+
 def _chat_messages(raw: Any, where: str) -> list[dict]:
     if not isinstance(raw, list) or not raw:
         raise ValueError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
-    out = []
-    for i, m in enumerate(raw):
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise ValueError(f"{where}: message {i} must be an object with 'role' and 'content', got {m!r}")
-        if m["role"] not in _ROLES:
-            raise ValueError(f"{where}: message {i} has role {m['role']!r}; use one of {', '.join(_ROLES)}")
-        out.append({"role": m["role"], "content": _check_text(m["content"], f"{where}: message {i} content")})
+    out = [_chat_message(m, f"{where}: message {i}") for i, m in enumerate(raw)]
+    for i, m in enumerate(out):
+        if m["role"] == "tool" and (i == 0 or out[i - 1]["role"] not in ("assistant", "tool")
+                                    or not any("tool_calls" in x for x in out[:i])):
+            raise ValueError(f"{where}: message {i} is a tool result with no assistant tool call before it; a "
+                             f"'tool' message follows an assistant message with 'tool_calls' (or another result)")
     return out
 
 
@@ -112,7 +156,10 @@ def normalise_record(record: dict, index: int, column_map: dict | None = None) -
                          f"accepted formats: {ACCEPTED_FORMATS}")
     if not any(m["role"] == "user" for m in messages):
         raise ValueError(f"{where} has no user message")
-    return Prompt(prompt_id=prompt_id, category=category, messages=messages)
+    tools = record.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise ValueError(f"{where}: 'tools' must be a list of function definitions (OpenAI format), got {tools!r}")
+    return Prompt(prompt_id=prompt_id, category=category, messages=messages, tools=tools or None)
 
 
 def _read_text(path: Path) -> str:
@@ -177,19 +224,34 @@ def read_prompts(path: str | Path, column_map: dict | None = None, limit: int | 
     return prompts
 
 
-def encode_prompt(tokenizer, messages: list[dict], use_chat_template: bool = True) -> list[int]:
-    """Token ids of `messages`: the chat template with the assistant header, or the contents joined by blank lines."""
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool, tokenize: bool = True,
+                chat_template_kwargs: dict | None = None, tools: list[dict] | None = None):
+    """The chat template applied to `messages` (token ids, or the text with tokenize=False); `chat_template_kwargs`
+    (e.g. {enable_thinking: false}) and `tools` go to the template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; set "
+            "use_chat_template=false to encode prompts as plain text"
+        )
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+        raise ValueError(f"chat_template_kwargs must be a mapping such as {{enable_thinking: false}}, "
+                         f"got {chat_template_kwargs!r}")
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=tokenize,
+                                        return_dict=False, tools=tools, **(chat_template_kwargs or {}))
+    if not tokenize:
+        return out
+    # Some tokenizers still return a batch of one for a single conversation.
+    if out and isinstance(out[0], list):
+        out = out[0]
+    return [int(i) for i in out]
+
+
+def encode_prompt(tokenizer, messages: list[dict], use_chat_template: bool = True,
+                  chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[int]:
+    """Token ids of `messages`: the chat template with the assistant header (given `chat_template_kwargs`, e.g.
+    {enable_thinking: false}, and the `tools` offered), or the contents joined by blank lines."""
     if use_chat_template:
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError(
-                f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; set "
-                "use_chat_template=false to encode prompts as plain text"
-            )
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        # Some tokenizers still return a batch of one for a single conversation.
-        if ids and isinstance(ids[0], list):
-            ids = ids[0]
-        return [int(i) for i in ids]
+        return render_chat(tokenizer, messages, True, True, chat_template_kwargs, tools)
     text = "\n\n".join(m["content"] for m in messages)
     return [int(i) for i in tokenizer(text)["input_ids"]]
 

@@ -239,7 +239,7 @@ def test_a_registered_kind_takes_its_own_options(mirror, tmp_path):
         load_config(distill.TrainConfig, recipe, ["mirror_loss_weight=5"], section="train")
     with pytest.raises(ValueError, match="mirror_loss_weight must be > 0"):
         distill.TrainConfig(draft="mirror", mirror_loss_weight=0.0)
-    with pytest.raises(ValueError, match="ttt_steps is for draft=eagle3, not draft=mirror"):
+    with pytest.raises(ValueError, match="ttt_steps is for draft=eagle3 or peagle, not draft=mirror"):
         distill.TrainConfig(draft="mirror", ttt_steps=2)
     with pytest.raises(ValueError, match="mirror_loss_weight is for draft=mirror"):
         distill.TrainConfig(draft="eagle3", mirror_loss_weight=2.0)

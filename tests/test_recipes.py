@@ -90,10 +90,12 @@ def test_recipe_smoke_runs_two_steps(path, tiny_world, tmp_path):
             "save_every": 1, "warmup_steps": 1}
     if cfg.draft == "derived":
         tiny["draft_layers"] = [0, -1]
-    elif cfg.draft not in ("scratch", "eagle3"):
+    elif cfg.draft not in ("scratch", "eagle3", "dflash"):
         tiny["draft"] = str(tiny_world / "small")
     if cfg.draft == "eagle3":  # the tiny target has 3 layers: ids 1 and 2 are all it has
         tiny["eagle_aux_layer_ids"] = [1, 2]
+    if cfg.draft == "dflash":
+        cfg.options.dflash_layer_ids = [1, 2]
     if cfg.draft_vocab_size > 0:
         tiny["draft_vocab_size"] = 32
     if cfg.lora:

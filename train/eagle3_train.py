@@ -174,7 +174,8 @@ class Eagle3Training:
         opts = cfg.options  # train/kinds/eagle3.py: Eagle3Options
         model = Eagle3Draft.from_target(target, opts.eagle_aux_layer_ids or None, keep, cfg.seed,
                                         layer_init=opts.layer_init, fc_init=opts.fc_init,
-                                        norm_before_residual=opts.norm_before_residual)
+                                        norm_before_residual=opts.norm_before_residual,
+                                        **self.draft_extras(opts, target, tokenizer))
         model = model.float().to(device)
         check_compatible(tokenizer, tokenizer, target, model)
         if cfg.freeze_head:
@@ -187,6 +188,10 @@ class Eagle3Training:
         self.states = States(opts.states, target, autocast, reader, model.layer_ids)
         self.prefetch = partial(read_ahead, self.states.source, reader)
         self.model = model
+
+    def draft_extras(self, opts, target, tokenizer) -> dict:
+        """Further `Eagle3Draft.from_target` arguments of a variant (P-EAGLE's mask token)."""
+        return {}
 
     def counts(self, batch: dict) -> torch.Tensor:
         """The positions each unrolled step scores in `batch`.  [ttt_steps]"""
@@ -205,6 +210,28 @@ class Eagle3Training:
         with evaluating(getattr(model, "module", model)) as inner:
             part = evaluate_part(inner, self.states, chunks, self.cfg.eval_k)
         return merge_parts(gather([part]), self.cfg.eval_k)
+
+
+class PEagleTraining(Eagle3Training):
+    """P-EAGLE (parallel drafting): the same run with the parallel objective. `Eagle3Draft.unrolled` computes it for
+    a draft with a mask token: step j >= 2 at each position reads the mask token and the learned `mask_hidden`
+    instead of the draft's own previous output, so the decayed loss over `ttt_steps` steps trains the k proposals
+    of one forward, as vLLM's parallel drafting reads them."""
+
+    def draft_extras(self, opts, target, tokenizer) -> dict:
+        return {"ptd_token_id": mask_token_id(opts.ptd_token_id, tokenizer, target)}
+
+
+def mask_token_id(configured: int, tokenizer, target) -> int:
+    """The configured mask token, else the tokenizer's pad token, else its EOS (the masked slots' token only
+    marks them: its embedding is the target's, frozen; `mask_hidden` is what is learned)."""
+    if configured >= 0:
+        return configured
+    for token in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None),
+                  getattr(target.config, "eos_token_id", None)):
+        if isinstance(token, int):
+            return token
+    raise ValueError("draft=peagle needs a mask token: set ptd_token_id (the tokenizer has no pad or EOS token)")
 
 
 def read_ahead(source: str, reader: StatesReader, rows: dict, batch: dict):

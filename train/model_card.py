@@ -43,6 +43,9 @@ class CardInfo:
     expansion: dict[str, Any] | None = None  # check of an expanded head: positions, agree, max/median mass
     recipe: str | None = None
     data: str | None = None
+    # The data section's settings a served target depends on (`traffic_facts`): the temperatures the training
+    # answers were sampled at and the chat template's options (e.g. {enable_thinking: false})
+    traffic: dict[str, Any] = dataclasses.field(default_factory=dict)
     license: str = "apache-2.0"
     model_on_hub: bool = False  # model_ref is a Hub repo id (the export was pushed)
     # The draft kind's facts (specdec/draft_kind.py: name, vllm_method, sglang_algorithm, maps_vocabulary,
@@ -75,6 +78,28 @@ def _fmt(value: Any, spec: str, suffix: str = "") -> str:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return "not reported"
     return f"{value:{spec}}{suffix}"
+
+
+def traffic_facts(data_section: dict | None) -> dict[str, Any]:
+    """From a recipe's `data:` section: the temperatures its answers were sampled at and its chat-template options."""
+    section = data_section or {}
+    facts: dict[str, Any] = {"temperatures": section.get("temperatures") or [section.get("temperature", 0.0)]}
+    if section.get("chat_template_kwargs"):
+        facts["chat_template_kwargs"] = section["chat_template_kwargs"]
+    return facts
+
+
+def _traffic_lines(info: CardInfo, report: dict | None) -> list[str]:
+    """Which temperatures the draft was trained and measured at, and the chat-template options of its data."""
+    trained = info.traffic.get("temperatures")
+    measured = _get(report, "config.temperature")
+    trained_text = ", ".join(f"{t:g}" for t in trained) if trained else "not recorded"
+    lines = [f"- temperature(s) of the training answers: {trained_text}; "
+             f"measured at: {_fmt(measured, 'g') if report else 'not measured'}"]
+    if info.traffic.get("chat_template_kwargs"):
+        options = ", ".join(f"{k}={v}" for k, v in info.traffic["chat_template_kwargs"].items())
+        lines.append(f"- chat template options of the training prompts: {options} (serve with the same)")
+    return lines
 
 
 def metadata(info: CardInfo) -> dict[str, Any]:
@@ -307,6 +332,7 @@ def render_card(info: CardInfo, report: dict | None = None) -> str:
         f"- target it was aligned to: `{info.target}`",
         f"- recipe: {f'`{info.recipe}`' if info.recipe else 'not recorded'}",
         f"- training data: {info.data if info.data else 'not recorded'}",
+        *_traffic_lines(info, report),
         f"- architecture: {info.architecture}; layers: {info.num_layers}; hidden size: {info.hidden_size}; "
         f"parameters: {info.num_parameters:,}; dtype: {info.dtype}",
         f"- LM head: {head_text}",

@@ -39,7 +39,7 @@ from specdec.compat import check_compatible
 from specdec.config import config_from_cli, read_recipe, split_cli, wants_help
 from specdec.draft_kind import DraftKind, PublishContext
 from specdec.overwrite import check_replaceable, replace_folder_atomically, set_modes, temp_sibling
-from specdec.train.model_card import LEAK_WARNING, CardInfo, num_draft_tokens, render_card
+from specdec.train.model_card import LEAK_WARNING, CardInfo, num_draft_tokens, render_card, traffic_facts
 
 log = logging.getLogger(__name__)
 
@@ -432,6 +432,8 @@ def _card_info(cfg: PublishConfig, out: Path, model, target: str, dtype, head_fa
         vocab_size=int(model.get_input_embeddings().num_embeddings),
         head=head, draft_vocab_size=num_kept, expansion=expansion,
         recipe=cfg.recipe and public_path(cfg.recipe), data=scrub_paths(cfg.data or _recipe_data(cfg.recipe)),
+        traffic=traffic_facts(read_recipe(cfg.recipe).get("data")
+                              if cfg.recipe and Path(cfg.recipe).is_file() else None),
         license=cfg.license.strip(),
         model_on_hub=cfg.push_to_hub is not None, format=cfg.format,
         kind=kind.name, method=kind.vllm_method, sglang_algorithm=kind.sglang_algorithm,

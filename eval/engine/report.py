@@ -42,7 +42,8 @@ def _workload(cfg):
     path = resolve_prompts_path(cfg.prompts)
     prompts = read_prompts(path, limit=cfg.num_prompts)
     tokenizer = load_tokenizer(cfg.target)
-    encoded = [encode_prompt(tokenizer, first_turn(p.messages), cfg.use_chat_template) for p in prompts]
+    encoded = [encode_prompt(tokenizer, first_turn(p.messages), cfg.use_chat_template, cfg.chat_template_kwargs,
+                             p.tools) for p in prompts]
     if any(len(e) == 0 for e in encoded):
         raise ValueError("a prompt encodes to zero tokens; remove empty prompts from the file")
     contexts = {"the target": checkpoint_context(cfg.target)}

@@ -228,7 +228,16 @@ def speculative_config(method: str, draft: str | None, k: int, cfg) -> dict:
     else:
         spec["model"] = _path_vllm_keeps_the_method_of(served_path(draft)) if method == "draft_model" \
             else served_path(draft)
+        spec |= kind_speculative_config(draft)
     return spec | dict(cfg.vllm_speculative_config or {})
+
+
+def kind_speculative_config(draft: str) -> dict:
+    """The keys the draft's kind adds to vLLM's speculative config (its optional `vllm_speculative_config`, given
+    the draft's config.json; e.g. a parallel draft's `parallel_drafting: true`)."""
+    config = _read_config(draft)
+    extra = getattr(draft_registry.of_config(config), "vllm_speculative_config", None) if config else None
+    return dict(extra(config)) if extra is not None else {}
 
 
 def served_path(name_or_path: str) -> str:

@@ -70,6 +70,9 @@ class Eagle3Drafter(Drafter):
         rollback(self.cache, start)
 
     def tree_root(self, batch: Batch):
+        if self.model.parallel:
+            raise ValueError("a P-EAGLE draft (ptd_token_id in its config.json) proposes a chain of k in one "
+                             "forward, not a tree: drop tree= (use num_draft_tokens)")
         length = self.round_length = batch.length
         start = self.cache.get_seq_length()
         inputs = batch.model_inputs(start, length - 1)
@@ -89,6 +92,8 @@ class Eagle3Drafter(Drafter):
         rollback(self.cache, self.round_length - 1)
 
     def propose(self, batch: Batch, k: int, generator, stats):
+        if self.model.parallel:
+            return self.propose_parallel(batch, k, generator, stats)
         length = self.round_length = batch.length
         start = self.cache.get_seq_length()
         ids, hidden, from_target = batch.seq[:, start + 1 : length], self.window.read(start, length - 1), True
@@ -103,4 +108,27 @@ class Eagle3Drafter(Drafter):
             batch.seq[:, length + j] = token
             ids, hidden, from_target = token[:, None], out[:, -1:], False
             inputs = batch.model_inputs(length - 1 + j, length + j)
+        return torch.stack(tokens, dim=1), (torch.stack(qs, dim=1) if qs else None)
+
+    def propose_parallel(self, batch: Batch, k: int, generator, stats):
+        """P-EAGLE: the round's k proposals from one forward, as vLLM's parallel drafting feeds it. The unread true
+        positions (up to L - 2: the last proposes token L) are followed by k - 1 masked slots at L - 1 .. L + k - 3
+        (the mask token, `mask_hidden` for the target's states), slot j proposing token L + j; each proposal is
+        picked from its own q. `rollback` then drops the slots, as it drops a chain's guessed positions."""
+        length = self.round_length = batch.length
+        start = self.cache.get_seq_length()
+        true_ids = batch.seq[:, start + 1 : length]
+        rows, width = true_ids.shape[0], self.model.mask_hidden.numel()
+        masked = torch.full((rows, k - 1), self.model.ptd_token_id, dtype=true_ids.dtype, device=true_ids.device)
+        states = self.window.read(start, length - 1).to(self.model.dtype)
+        hidden = torch.cat([states, self.model.mask_hidden.to(states.dtype).expand(rows, k - 1, width)], dim=1)
+        inputs = batch.model_inputs(start, length - 2 + k)
+        _, logits = self.model(torch.cat([true_ids, masked], dim=1), hidden, inputs["position_ids"], True,
+                               self.cache, inputs["attention_mask"], logits_to_keep=k)
+        stats.draft_forwards += 1
+        tokens, qs = [], []
+        for j in range(k):
+            token = self.pick(logits[:, j : j + 1], batch, generator, qs)
+            tokens.append(token)
+            batch.seq[:, length + j] = token
         return torch.stack(tokens, dim=1), (torch.stack(qs, dim=1) if qs else None)

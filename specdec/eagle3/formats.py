@@ -5,6 +5,9 @@
 - speculators: vLLM speculators' own layout (speculators 0.9's `Eagle3DraftModel`; `vllm serve DIR` detects it),
   weights under `layers.0.`.
 
+A P-EAGLE draft (parallel drafting) adds its mask token (engines: `ptd_token_id`, with `parallel_drafting: true`;
+speculators: `speculators_model_type: peagle`, `mask_token_id`) and the weight `mask_hidden`.
+
 Both store an exact copy of the target's embeddings: vLLM then shares the target's, SGLang overwrites them, and
 speculators 0.9 under transformers 5 would otherwise run with uninitialised ones. Reading accepts either layout,
 and the checkpoints other tools write in them (`is_eagle3_config`).
@@ -22,14 +25,22 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"  # the name vLLM and SGLang both resolve
 WEIGHTS_FILE = "model.safetensors"
 FORMATS = ("engines", "speculators")  # the published layouts, the default first
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose format `format="speculators"` writes
+# speculators' model types of this kind: a chain draft, and P-EAGLE (parallel drafting: its `mask_token_id` is the
+# engines' `ptd_token_id`, its `mask_hidden` the same weight)
+SPECULATORS_TYPES = ("eagle3", "peagle")
 
 
 def is_eagle3_config(config: dict) -> bool:
     """An EAGLE-3 draft's config.json: speculators' format (`speculators_model_type: eagle3`) or an EAGLE-3
     architecture (the engines' LlamaForCausalLMEagle3, vLLM's Eagle3LlamaForCausalLM, speculators' Eagle3...)."""
-    if str(config.get("speculators_model_type", "")).lower() == "eagle3":
+    if str(config.get("speculators_model_type", "")).lower() in SPECULATORS_TYPES:
         return True
     return any("eagle3" in str(a).lower() for a in config.get("architectures") or [])
+
+
+def is_parallel_config(config: dict) -> bool:
+    """A P-EAGLE draft's config.json: the engines' `ptd_token_id` or speculators' `peagle` type."""
+    return config.get("ptd_token_id") is not None or str(config.get("speculators_model_type", "")).lower() == "peagle"
 
 
 def engine_config(config: LlamaConfig) -> dict:
@@ -61,14 +72,18 @@ def speculators_config(config: LlamaConfig, dtype: torch.dtype, verifier: str, v
     layer = engine_config(config)
     for key in ("architectures", "draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids",
                 "num_aux_hidden_states", "eagle_config", "norm_before_residual", "norm_before_fc", "fc_norm",
-                "norm_output", "target_num_hidden_layers", "target_architectures"):
+                "norm_output", "target_num_hidden_layers", "target_architectures", "ptd_token_id",
+                "parallel_drafting"):
         layer.pop(key, None)
+    ptd = getattr(config, "ptd_token_id", None)
+    parallel = {} if ptd is None else {"mask_token_id": int(ptd)}
     return {
-        "architectures": ["Eagle3DraftModel"],
-        "speculators_model_type": "eagle3",
+        "architectures": ["PEagleSpeculator" if parallel else "Eagle3DraftModel"],
+        "speculators_model_type": "peagle" if parallel else "eagle3",
+        **parallel,
         "speculators_version": SPECULATORS_VERSION,
         "speculators_config": {
-            "algorithm": "eagle3", "default_proposal_method": "greedy",
+            "algorithm": "peagle" if parallel else "eagle3", "default_proposal_method": "greedy",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(num_draft_tokens),
                                   "accept_tolerance": 0.0, "verifier_accept_k": 1}],
             "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures)},
@@ -100,6 +115,8 @@ def write(out_dir: str | Path, config: LlamaConfig, state: dict[str, torch.Tenso
                              "verifier_architectures, num_draft_tokens}")
         written = speculators_config(config, dtype, **speculators)
         state = {k.replace("midlayer.", "layers.0."): v for k, v in state.items()}
+        if "mask_hidden" in state:  # speculators' parameter is [1, 1, W]
+            state["mask_hidden"] = state["mask_hidden"].reshape(1, 1, -1)
         if config.draft_vocab_size == config.vocab_size:  # speculators has no map then
             state = {k: v for k, v in state.items() if k not in ("d2t", "t2d")}
     else:
@@ -111,9 +128,11 @@ def write(out_dir: str | Path, config: LlamaConfig, state: dict[str, torch.Tenso
 def read_config(path: str | Path) -> LlamaConfig:
     """The draft layer's config from either layout's config.json, checked for what specdec's decoder computes."""
     raw = json.loads((Path(path) / "config.json").read_text())
-    if str(raw.get("speculators_model_type", "")).lower() == "eagle3":
+    if str(raw.get("speculators_model_type", "")).lower() in SPECULATORS_TYPES:
         layer = dict(raw.get("transformer_layer_config") or {})
         raw = {**layer, **{k: v for k, v in raw.items() if k not in ("transformer_layer_config", "architectures")}}
+        if raw.get("speculators_model_type") == "peagle":
+            raw["ptd_token_id"], raw["parallel_drafting"] = raw.pop("mask_token_id"), True
     raw.pop("model_type", None)
     # speculators writes null for a target as wide as the draft, and reads null so (issue 30)
     if raw.get("target_hidden_size") is None and raw.get("hidden_size") is not None:
@@ -135,4 +154,6 @@ def read_state(path: str | Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     state = load_file(str(Path(path) / WEIGHTS_FILE))
+    if "mask_hidden" in state:  # one vector whatever the layout's shape (speculators [1, 1, W], vLLM views it flat)
+        state["mask_hidden"] = state["mask_hidden"].reshape(-1)
     return {k.replace("layers.0.", "midlayer."): v for k, v in state.items()}

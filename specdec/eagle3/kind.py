@@ -1,6 +1,7 @@
 """The EAGLE-3 draft kind (specdec/draft_kind.py's interface): recognised by its config, loaded and published in
 the engines' and speculators' layouts, decoded with the target's hidden states, replayed unrolled; its training
-side is train/kinds/eagle3.py."""
+side is train/kinds/eagle3.py. P-EAGLE (`PEagleKind`, `draft: peagle`) is the same draft proposing a round in one
+forward (vLLM's `parallel_drafting`): everything else is EAGLE-3's."""
 
 from __future__ import annotations
 
@@ -27,10 +28,10 @@ class Eagle3Kind:
     maps_vocabulary = True  # both engines read d2t
 
     def recognises(self, config: dict) -> bool:
-        return formats.is_eagle3_config(config)
+        return formats.is_eagle3_config(config) and not formats.is_parallel_config(config)
 
     def owns(self, model) -> bool:
-        return isinstance(model, Eagle3Draft)
+        return isinstance(model, Eagle3Draft) and not model.parallel
 
     def needs_snapshot(self, config: dict) -> bool:
         return True
@@ -67,3 +68,29 @@ class Eagle3Kind:
 
     def card_facts(self, model: Eagle3Draft) -> dict:
         return {"layer_ids": list(model.layer_ids)}
+
+
+PARALLEL_NAME = "peagle"  # `draft: peagle` in a recipe
+
+
+class PEagleKind(Eagle3Kind):
+    """P-EAGLE: an EAGLE-3 draft with a mask token (`ptd_token_id`) and a learned `mask_hidden`, proposing a
+    round's k tokens in one forward (specdec/eagle3/drafter.py: propose_parallel), served by vLLM as `eagle3` with
+    `parallel_drafting: true`, written by speculators as `peagle`."""
+
+    name = PARALLEL_NAME
+
+    def recognises(self, config: dict) -> bool:
+        return formats.is_eagle3_config(config) and formats.is_parallel_config(config)
+
+    def owns(self, model) -> bool:
+        return isinstance(model, Eagle3Draft) and model.parallel
+
+    def draft_forwards(self, proposal) -> int:
+        return 1  # the whole chain in one forward (it proposes no trees)
+
+    def vllm_speculative_config(self, model) -> dict:
+        return {"parallel_drafting": True}
+
+    def card_facts(self, model: Eagle3Draft) -> dict:
+        return {**super().card_facts(model), "ptd_token_id": model.ptd_token_id}

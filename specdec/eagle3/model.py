@@ -18,6 +18,10 @@ unchanged (specdec/eagle3/formats.py writes the engines' config keys).
 
 Later proposals of a round read the draft's own pre-norm output instead of fc's (`from_target=False`). Training
 unrolls those steps ("training-time test") with an attention that costs each step the same (`unrolled`).
+
+A P-EAGLE draft (config `ptd_token_id`) proposes a round's k tokens in one forward instead, as vLLM's
+`parallel_drafting` feeds it: after the true positions, k - 1 masked slots read the mask token and fc of the
+learned `mask_hidden` (in place of the target's states); `unrolled` then trains that objective.
 """
 
 from __future__ import annotations
@@ -140,6 +144,11 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
         self.register_buffer("draft_to_target", torch.arange(config.draft_vocab_size), persistent=False)
+        # P-EAGLE (parallel drafting): the learned stand-in for the target's states at a round's masked slots,
+        # before fc (vLLM's `mask_hidden`, projected by fc as the target's states are)
+        self.ptd_token_id = getattr(config, "ptd_token_id", None)
+        if self.parallel:
+            self.mask_hidden = nn.Parameter(torch.zeros(len(self.layer_ids) * config.target_hidden_size))
 
     # ---- the parts of the causal-LM interface that the decoder, trainer and loaders use
     def get_input_embeddings(self) -> nn.Embedding:
@@ -168,6 +177,19 @@ class Eagle3Draft(nn.Module):
         self.t2d.zero_()
         self.t2d[keep.to(device)] = True
         self.draft_to_target = keep.to(device)
+
+    @property
+    def parallel(self) -> bool:
+        """Whether this is a P-EAGLE draft: a round's k proposals in one forward, proposals 2..k read the mask
+        token `ptd_token_id` and `mask_hidden` (vLLM's `parallel_drafting`)."""
+        return self.ptd_token_id is not None
+
+    def masked_inputs(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(embeddings, h) of masked slots shaped as the token ids `like` [B, n]: the mask token's embedding and
+        fc(mask_hidden), the same at every slot (only the rotary position differs)."""
+        embeds = self.embed_tokens(torch.full_like(like, self.ptd_token_id))
+        h = self.fc(self.mask_hidden.to(self.fc.weight.dtype))
+        return embeds, h.expand(*like.shape, h.shape[-1])
 
     def kept_ids(self) -> torch.Tensor:
         """The target ids of the draft's logits (ascending), from d2t.  [draft_vocab]"""
@@ -229,7 +251,9 @@ class Eagle3Draft(nn.Module):
         at s + 1 .. t (step i's key at t - (j - i), i = 2..j). Those are exactly the keys used here, so the
         unrolled outputs equal the decoder's proposals. Each step costs one causal attention over step 1's keys
         plus j - 1 single diagonal keys, so the cost grows linearly in `steps` (a dense mask over all steps' keys
-        would grow quadratically); that attention runs in chunks of queries, recomputed in backward, so memory
+        would grow quadratically). A P-EAGLE draft's step j >= 2 at t reads the mask token and `mask_hidden`
+        instead (the round's (j - 1)-th masked slot) and attends to the same keys, the earlier slots' among them:
+        its outputs equal the decoder's one parallel forward; that attention runs in chunks of queries, recomputed in backward, so memory
         grows linearly in n (specdec/eagle3/attention.py).  input_ids, attention_mask: [B, S] (rows right-padded);
         target_hidden: [B, S, 3 H_target].
 
@@ -249,7 +273,10 @@ class Eagle3Draft(nn.Module):
         first_keys = first_values = None
         diag_keys, diag_values, outputs = [], [], []
         for step in range(1, steps + 1):
-            q, k, v, residual = layer.qkv(embeds, h, cos, sin)
+            if step == 1 or not self.parallel:
+                q, k, v, residual = layer.qkv(embeds, h, cos, sin)
+            elif step == 2:  # P-EAGLE: every later proposal reads the masked slots' inputs (the same each step)
+                q, k, v, residual = layer.qkv(*self.masked_inputs(ids), cos, sin)
             if step == 1:
                 first_keys, first_values = k, v
             else:  # step i's key at t - (step - i) for i = 2..step: the round's own earlier proposals (and this one)
@@ -268,21 +295,29 @@ class Eagle3Draft(nn.Module):
     @classmethod
     def from_target(cls, target: nn.Module, layer_ids: list[int] | None = None,
                     keep_ids: torch.Tensor | None = None, seed: int = 0, layer_init: str = "random",
-                    fc_init: str = "random", norm_before_residual: bool = False) -> Eagle3Draft:
+                    fc_init: str = "random", norm_before_residual: bool = False,
+                    ptd_token_id: int | None = None) -> Eagle3Draft:
         """A new draft for `target`: its frozen embeddings, its final norm and head rows (the kept ids), and an fc
         and a layer (seeded), reading the target's residual stream after `layer_ids`. The layer starts random or
         as the target's last layer (`layer_init="target"`); fc random or passing the last state through
-        (`fc_init="last_state"`)."""
+        (`fc_init="last_state"`). A `ptd_token_id` makes it a P-EAGLE draft (parallel drafting), whose
+        `mask_hidden` starts seeded small."""
         num_layers = len(target.get_decoder().layers)
         ids = check_layer_ids(layer_ids or default_layer_ids(num_layers), num_layers)
         vocab = target.get_input_embeddings().num_embeddings
         config = draft_config(target.config, ids, vocab if keep_ids is None else int(keep_ids.numel()))
         config.vocab_size = vocab
         config.norm_before_residual = bool(norm_before_residual)
+        if ptd_token_id is not None:
+            if not 0 <= int(ptd_token_id) < vocab:
+                raise ValueError(f"ptd_token_id must be a token id in [0, {vocab}), got {ptd_token_id}")
+            config.ptd_token_id, config.parallel_drafting = int(ptd_token_id), True
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             draft = cls(config)
             draft.apply(_init_weights)
+            if draft.parallel:
+                nn.init.normal_(draft.mask_hidden, std=0.02)
         draft.set_vocabulary(keep_ids)
         param = next(target.parameters())
         draft = draft.to(device=param.device, dtype=param.dtype)

@@ -19,9 +19,11 @@ import torch
 from transformers import AutoConfig, GenerationConfig
 
 from specdec.prompts import encode_prompt
+from specdec.sampling import SamplingConfig
 from specdec.train.data.config import DataConfig
 from specdec.train.data.features import FeatureSpool, keep_features
-from specdec.train.data.planning import Item
+from specdec.train.data.planning import Item, turn_messages
+from specdec.train.data.reasoning import assistant_message
 
 
 @dataclass
@@ -73,8 +75,10 @@ class GenerationBackend(Backend):
         return torch.Generator().manual_seed(seed)
 
     @abstractmethod
-    def generate(self, prompts: list[list[int]], generator: torch.Generator) -> list[Completion]:
-        """Completions of prompts (token lists of any lengths), in their order."""
+    def generate(self, prompts: list[list[int]], generator: torch.Generator,
+                 sampling: SamplingConfig | None = None) -> list[Completion]:
+        """Completions of prompts (token lists of any lengths), in their order, sampled with `sampling` (None: the
+        run's temperature / top_k / top_p)."""
 
     def shard_rows(self, items: list[Item], tokenizer, seed: int, context_limit: int | None, progress=None,
                    features: FeatureSpool | None = None) -> tuple[list[dict], dict]:
@@ -86,8 +90,9 @@ def _turn_prompts(items: list[Item], histories: list[list[dict]], active: list[i
     """The encoded prompt of each active item's next turn; a conversation that outgrew the context is dropped."""
     prompts: dict[int, list[int]] = {}
     for i in active:
-        histories[i].append({"role": "user", "content": items[i].user_turns[turn]})
-        ids = encode_prompt(tokenizer, histories[i], cfg.use_chat_template)
+        histories[i].extend(turn_messages(items[i].user_turns[turn]))
+        ids = encode_prompt(tokenizer, histories[i], cfg.use_chat_template, cfg.chat_template_kwargs,
+                            items[i].prompt.tools)
         if turn > 0 and context_limit is not None and len(ids) + cfg.max_new_tokens > context_limit:
             counts["dropped_turns"] += len(items[i].user_turns) - turn
             continue  # its later turns are dropped
@@ -102,6 +107,8 @@ def _completion_row(item: Item, turn: int, prompt: list[int], comp: Completion, 
            "prompt_length": len(prompt)}
     if cfg.top_logprobs:
         row["top_ids"], row["top_logprobs"] = comp.top_ids, comp.top_logprobs
+    if cfg.mixes_sampling:  # what this row was sampled at, for a per-temperature look at the data
+        row["temperature"], row["top_p"] = item.temperature, item.top_p
     if cfg.record_features:  # beside the shard, not in it
         keep_features(row, comp.take_features(), features)
     return row
@@ -126,6 +133,21 @@ def _batches(order: list[int], prompts: dict[int, list[int]], rows: int | None, 
     return batches
 
 
+def _item_sampling(item: Item, cfg: DataConfig) -> SamplingConfig | None:
+    """The item's own sampling (temperatures / top_ps), None for the run's."""
+    if item.temperature is None:
+        return None
+    return SamplingConfig(temperature=item.temperature, top_k=cfg.top_k, top_p=item.top_p)
+
+
+def _by_sampling(order: list[int], items: list[Item]) -> list[list[int]]:
+    """`order` split into runs of one sampling setting each (one generate() call samples with one setting)."""
+    groups: dict[tuple, list[int]] = {}
+    for i in order:
+        groups.setdefault((items[i].temperature, items[i].top_p), []).append(i)
+    return list(groups.values())
+
+
 def generate_shard(items: list[Item], backend: GenerationBackend, tokenizer, cfg: DataConfig, seed: int,
                    context_limit: int | None, progress=None,
                    features: FeatureSpool | None = None) -> tuple[list[dict], dict]:
@@ -140,13 +162,18 @@ def generate_shard(items: list[Item], backend: GenerationBackend, tokenizer, cfg
     while active:
         prompts = _turn_prompts(items, histories, active, turn, tokenizer, cfg, context_limit, counts)
         order = sorted(prompts, key=lambda i: -len(prompts[i])) if cfg.sort_by_length else list(prompts)
-        for chunk in _batches(order, prompts, backend.prompts_per_call, cfg):
-            for i, comp in zip(chunk, backend.generate([prompts[i] for i in chunk], generator)):
+        chunks = [chunk for group in _by_sampling(order, items)
+                  for chunk in _batches(group, prompts, backend.prompts_per_call, cfg)]
+        for chunk in chunks:
+            sampling = _item_sampling(items[chunk[0]], cfg)
+            own = {"sampling": sampling} if sampling is not None else {}  # none: the run's, as before
+            for i, comp in zip(chunk, backend.generate([prompts[i] for i in chunk], generator, **own)):
                 rows.append(_completion_row(items[i], turn, prompts[i], comp, cfg, features))
                 counts["examples"] += 1
                 counts["generated_tokens"] += len(comp.tokens)
-                text = tokenizer.decode(comp.tokens, skip_special_tokens=True)
-                histories[i].append({"role": "assistant", "content": text})
+                # The next turn's history holds the answer as a server's parsers return it: thinking and tool
+                # calls apart from the content, for the template to render (or drop) as it does when served.
+                histories[i].append(assistant_message(tokenizer, comp.tokens))
                 if progress is not None:
                     progress(1, len(comp.tokens))
         turn += 1

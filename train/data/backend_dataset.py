@@ -8,12 +8,13 @@ import logging
 from typing import Any
 
 from specdec.models import load_model, resolve_path
-from specdec.prompts import encode_prompt
+from specdec.prompts import encode_prompt, render_chat
 from specdec.tokens import cut_at_eos, eos_ids, pad_id
 from specdec.train.data.backend import Backend, CheckpointGenerationConfig
 from specdec.train.data.config import DataConfig
 from specdec.train.data.features import FeatureSpool, keep_features
 from specdec.train.data.planning import Item, dataset_turns
+from specdec.train.data.reasoning import THINK_CLOSE, THINK_OPEN
 from specdec.train.data.target_states import prefill
 
 log = logging.getLogger(__name__)
@@ -46,23 +47,51 @@ class DatasetBackend(Backend):
         return dataset_shard(items, self, tokenizer, self.cfg, context_limit, progress, features)
 
 
-def answer_ids(tokenizer, before: list[dict], answer: str, prompt: list[int], use_chat_template: bool,
-               eos: list[int]) -> list[int]:
-    """The tokens of a dataset's `answer` to the conversation `before` (whose encoded prompt is `prompt`), up to and
-    including the end of its turn (its first EOS), as the target's own completion would be."""
-    if not use_chat_template:
-        return tokenizer("\n\n" + answer, add_special_tokens=False)["input_ids"] + eos[:1]
-    full = tokenizer.apply_chat_template(before + [{"role": "assistant", "content": answer}],
-                                         add_generation_prompt=False, tokenize=True, return_dict=False)
-    if full and isinstance(full[0], list):
-        full = full[0]
-    full = [int(t) for t in full]
-    if full[: len(prompt)] != prompt:
-        raise ValueError("responses=dataset: the chat template renders a conversation with its answer differently "
-                         "from its prompt followed by the answer (it rewrites earlier turns, e.g. dropping "
-                         "reasoning), so the answer's tokens cannot be marked; use use_chat_template=false or "
-                         "responses=target")
-    return cut_at_eos(full[len(prompt):], eos)
+def _with_reasoning(answer: dict) -> dict:
+    """The answer with `<think>...</think>` in its content moved to the fields templates read its thinking from."""
+    reasoning = answer.get("reasoning_content", answer.get("thinking"))
+    content = answer["content"]
+    if reasoning is None and THINK_CLOSE in content:
+        reasoning, content = content.split(THINK_CLOSE, 1)
+        reasoning, content = reasoning.split(THINK_OPEN)[-1].strip("\n"), content.lstrip("\n")
+    message = {k: v for k, v in answer.items() if k not in ("reasoning_content", "thinking")}
+    message["content"] = content
+    if reasoning is not None:
+        message["reasoning_content"] = message["thinking"] = reasoning
+    return message
+
+
+def _as_written(message: dict, prompt_text: str) -> str:
+    """The answer's text as the target writes it after the prompt: its thinking in think tags before the content,
+    less whatever the prompt already opened (e.g. a generation prompt ending in "<think>\n")."""
+    reasoning = message.get("reasoning_content")
+    text = message["content"] if reasoning is None else \
+        f"{THINK_OPEN}\n{reasoning}\n{THINK_CLOSE}\n\n{message['content']}"
+    overlap = next((k for k in range(min(len(text), len(prompt_text)), 0, -1)
+                    if prompt_text.endswith(text[:k])), 0)
+    return text[overlap:]
+
+
+def answer_ids(tokenizer, before: list[dict], answer: dict, prompt: list[int], cfg: DataConfig, eos: list[int],
+               tools: list[dict] | None = None) -> list[int]:
+    """The tokens of a dataset's `answer` message to the conversation `before` (whose encoded prompt is `prompt`), up
+    to and including the end of its turn (its first EOS), as the target's own completion would be: its thinking
+    included, also where the template drops the answer's thinking or rewrites earlier turns (then the answer's
+    text written after the prompt, and the end of the turn)."""
+    if not cfg.use_chat_template:
+        return tokenizer("\n\n" + answer["content"], add_special_tokens=False)["input_ids"] + eos[:1]
+    message = _with_reasoning(answer)
+    full = render_chat(tokenizer, before + [message], False, True, cfg.chat_template_kwargs, tools)
+    reasoning = message.get("reasoning_content")
+    if full[: len(prompt)] == prompt and (
+            not reasoning or reasoning.strip() in tokenizer.decode(full[len(prompt):], skip_special_tokens=False)):
+        return cut_at_eos(full[len(prompt):], eos)
+    if "tool_calls" in message:
+        raise ValueError("responses=dataset: the chat template renders an answer with tool calls differently from "
+                         "its prompt followed by the answer (it rewrites earlier turns), so its tokens cannot be "
+                         "marked; use responses=target to have the target write the calls")
+    prompt_text = render_chat(tokenizer, before, True, False, cfg.chat_template_kwargs, tools)
+    return tokenizer(_as_written(message, prompt_text), add_special_tokens=False)["input_ids"] + eos[:1]
 
 
 def dataset_shard(items: list[Item], backend: DatasetBackend, tokenizer, cfg: DataConfig,
@@ -74,8 +103,8 @@ def dataset_shard(items: list[Item], backend: DatasetBackend, tokenizer, cfg: Da
     for it in items:
         turns = dataset_turns(it.prompt)
         for turn, (before, answer) in enumerate(turns):
-            prompt = encode_prompt(tokenizer, before, cfg.use_chat_template)
-            completion = answer_ids(tokenizer, before, answer, prompt, cfg.use_chat_template, backend.eos)
+            prompt = encode_prompt(tokenizer, before, cfg.use_chat_template, cfg.chat_template_kwargs, it.prompt.tools)
+            completion = answer_ids(tokenizer, before, answer, prompt, cfg, backend.eos, it.prompt.tools)
             if context_limit is not None and len(prompt) + len(completion) > context_limit:
                 counts["dropped_turns"] += len(turns) - turn
                 break  # the conversation outgrew the context: its later turns are dropped

@@ -8,6 +8,7 @@ import torch
 
 from specdec.decode import target_generate
 from specdec.models import load_model
+from specdec.sampling import SamplingConfig
 from specdec.tokens import cut_at_eos, eos_ids, pad_id
 from specdec.train.data.backend import Completion, GenerationBackend
 from specdec.train.data.config import DataConfig
@@ -32,7 +33,8 @@ class TransformersBackend(GenerationBackend):
     def generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)  # samples where the model runs
 
-    def generate(self, prompts: list[list[int]], generator: torch.Generator) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], generator: torch.Generator,
+                 sampling: SamplingConfig | None = None) -> list[Completion]:
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -41,7 +43,7 @@ class TransformersBackend(GenerationBackend):
             mask[row, width - len(p):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         with recording_while_decoding(self.model, self.cfg.eagle_aux_layer_ids, self.cfg.record_features) as recorder:
-            out = target_generate(self.model, ids, mask, sampling=self.sampling,
+            out = target_generate(self.model, ids, mask, sampling=sampling or self.sampling,
                                   max_new_tokens=self.cfg.max_new_tokens, eos_token_id=self.eos or None,
                                   generator=generator, pad_token_id=self.pad, top_logprobs=self.cfg.top_logprobs)
         new = out.sequences[:, width:].tolist()

@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from specdec.eagle3 import RECORDED_STATES_DTYPE
 from specdec.models import load_model, resolve_device, resolve_dtype, resolve_path
+from specdec.sampling import SamplingConfig
 from specdec.tokens import cut_at_eos, eos_ids, pad_id
 from specdec.train.data.backend import CheckpointGenerationConfig, Completion, GenerationBackend
 from specdec.train.data.config import DataConfig
@@ -102,15 +103,17 @@ class VLLMBackend(GenerationBackend):
         num_layers = AutoConfig.from_pretrained(resolve_path(self.cfg.target)).get_text_config().num_hidden_layers
         return sorted(self.cfg.eagle_aux_layer_ids) + [num_layers]
 
-    def generate(self, prompts: list[list[int]], generator: torch.Generator) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], generator: torch.Generator,
+                 sampling: SamplingConfig | None = None) -> list[Completion]:
         """All prompts in one request (vLLM schedules its own batches); each prompt samples with its own seed,
         derived from the generator's seed (vLLM draws its own random numbers). Features, when recorded, are loaded
         as each completion's are taken (`Completion.take_features`), so that a request of a whole shard holds at
         most one prefill batch of them (or, extracted, one row's) in memory."""
         cfg, seed = self.cfg, generator.initial_seed()
+        sampling = sampling or cfg.sampling()
         seed = seed - (1 << 64) if seed >= 1 << 63 else seed  # torch keeps a negative seed as its unsigned 64 bits
         request = {"prompts": prompts, "seeds": [seed * 1_000_003 + i for i in range(len(prompts))],
-                   "temperature": cfg.temperature, "top_k": cfg.top_k, "top_p": cfg.top_p,
+                   "temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
                    "max_tokens": cfg.max_new_tokens, "top_logprobs": cfg.top_logprobs, "stop_token_ids": self.eos,
                    "states": self.states_mode == "extract"}
         timeout = _REQUEST_TIMEOUT_S + len(prompts) * cfg.max_new_tokens / _SLOWEST_TOKENS_PER_S
@@ -185,7 +188,7 @@ def states_mode(cfg: DataConfig, device) -> str | None:
         return None
     # vLLM extracts through its speculative-decoding path (a one-token "draft" each step): greedy output stays the
     # target's own (tested), but sampled verification on vLLM's CPU build is not known exact: a CPU samples plainly.
-    exact = cfg.temperature == 0 or device.type == "cuda"
+    exact = max(cfg.temperatures or [cfg.temperature]) == 0 or device.type == "cuda"
     if cfg.vllm_states == "extract" and not exact:
         raise ValueError("vllm_states=extract with temperature > 0 on a CPU: vLLM's speculative-decoding path, which "
                          "the extraction runs, is not known to sample exactly there; use vllm_states=prefill (or "

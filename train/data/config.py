@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +18,9 @@ VLLM_DTYPES = ("float32", "bfloat16", "float16")  # vLLM has no float64
 # Settings that do not change what is generated; a resumed run may change them.
 _RESUMABLE_KEYS = ("batch_size", "batch_tokens", "device", "output_dir", "overwrite", "max_minutes", "vllm_python", "vllm_states")
 # Settings added later, left out of the fingerprint at their defaults: folders made before they existed still resume.
-_LATER_DEFAULTS = {"responses": "target"}
+_LATER_DEFAULTS = {"responses": "target", "chat_template_kwargs": None, "temperatures": None, "top_ps": None,
+                   "sampling_mix": "cycle", "tensor_parallel_size": 1, "pipeline_parallel_size": 1}
+SAMPLING_MIXES = ("cycle", "draw")
 
 
 @dataclass
@@ -32,12 +35,20 @@ class DataConfig:
     column_map: dict[str, str] | None = None  # rename a data set's columns, e.g. {instruction: prompt}
     spec_bench_turns: str = "all"  # multi-turn prompts: "all" turns (each after the target's own answers) or "first"
     use_chat_template: bool = True  # wrap prompts in the target's chat template; false = the raw text
+    # More arguments of the chat template, as the server passes them, e.g. {enable_thinking: false} for Qwen3
+    # (whose template thinks by default) or {reasoning_effort: low} for gpt-oss
+    chat_template_kwargs: dict[str, Any] | None = None
     # Prompts longer than this many tokens (or than the target's context minus max_new_tokens) are too long.
     max_prompt_tokens: int = 1024
     too_long: str = "skip"  # what a too-long prompt does: "skip" (counted in the manifest) or "error" (stop the run)
     temperature: float = 0.0  # the target's sampling temperature; 0 = greedy
     top_k: int = 0  # sample from the k most likely tokens only; 0 = no limit
     top_p: float = 1.0  # sample from the smallest set of tokens holding this probability; 1 = no limit
+    # Sampled traffic: each work item (prompt x sample) its own temperature (and top_p) from these lists, e.g.
+    # [0, 0.7, 1.0], as a server sees a mix of them; recorded per row. None: `temperature` / `top_p` for all.
+    temperatures: list[float] | None = None
+    top_ps: list[float] | None = None  # the same for top_p, e.g. [1.0, 0.95]; None: `top_p` for all
+    sampling_mix: str = "cycle"  # "cycle": item k takes entry k mod len; "draw": a seeded draw per item
     num_samples: int = 1  # completions per prompt
     # "target": the target answers each user turn (generation); "dataset": keep the conversations' own assistant
     # answers (`messages` or ShareGPT `conversations` with assistant turns), one row per answer, nothing generated;
@@ -61,6 +72,10 @@ class DataConfig:
     backend: str = "transformers"
     vllm_python: str | None = None  # vLLM's Python; default $SPECDEC_VLLM_PYTHON, then .venv-vllm/bin/python
     vllm_args: dict[str, Any] | None = None  # more keyword arguments of vllm.LLM, e.g. {enforce_eager: true}
+    # backend=vllm: GPUs one engine shards the target over (a 70B-class target needs 4-8), by tensor and by
+    # pipeline parallelism; each `accelerate launch` process runs one engine over that many GPUs of its own
+    tensor_parallel_size: int = 1  # backend=vllm: GPUs the target's layers are split across (1 = no split)
+    pipeline_parallel_size: int = 1  # backend=vllm: pipeline stages, each on its own tensor-parallel group
     # backend=vllm with record_features: "extract" takes the states from vLLM's own forwards (its
     # extract_hidden_states method), "prefill" from a transformers prefill after decoding, "auto" extracts unless
     # sampling on a CPU
@@ -123,15 +138,63 @@ class DataConfig:
             raise ValueError("prompts is empty: give a .jsonl/.json/.parquet/.csv file, a Hub dataset name or "
                              "embedded:train")
         self.sampling()  # validates temperature / top_k / top_p
+        self._check_sampling_mix()
+        self._check_parallel()
 
         dtype = str(resolve_dtype(self.dtype)).removeprefix("torch.")  # raises with the valid names, before any load
         if self.backend == "vllm" and dtype not in VLLM_DTYPES:
             raise ValueError(f"backend=vllm computes in {', '.join(VLLM_DTYPES)}, not {dtype}; use dtype=float32 "
                              f"or backend=transformers")
 
+    def _check_sampling_mix(self) -> None:
+        if self.chat_template_kwargs is not None and not isinstance(self.chat_template_kwargs, dict):
+            raise ValueError(f"chat_template_kwargs must be a mapping such as {{enable_thinking: false}}, "
+                             f"got {self.chat_template_kwargs!r}")
+        if self.sampling_mix not in SAMPLING_MIXES:
+            raise ValueError(f"sampling_mix must be one of {', '.join(SAMPLING_MIXES)}, got {self.sampling_mix!r}")
+        for key in ("temperatures", "top_ps"):
+            values = getattr(self, key)
+            if values is not None and (not isinstance(values, list) or not values
+                                       or not all(isinstance(v, (int, float)) for v in values)):
+                raise ValueError(f"{key} must be a non-empty list of numbers such as [0, 0.7, 1.0], got {values!r}")
+        for temperature in self.temperatures or [self.temperature]:
+            for top_p in self.top_ps or [self.top_p]:
+                SamplingConfig(temperature=temperature, top_k=self.top_k, top_p=top_p)  # raises on a bad one
+        if (self.temperatures or self.top_ps) and self.responses == "dataset":
+            raise ValueError("temperatures / top_ps sample the target's answers; responses=dataset generates none: "
+                             "unset them or use responses=target")
+
+    def _check_parallel(self) -> None:
+        for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if (self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1) and self.backend != "vllm":
+            raise ValueError("tensor_parallel_size / pipeline_parallel_size shard the target over GPUs in vLLM's "
+                             "engine: set backend=vllm (the transformers backend runs one device per process)")
+        if self.record_features and self.pipeline_parallel_size > 1:
+            raise ValueError("record_features with pipeline_parallel_size > 1: vLLM's extract_hidden_states reads "
+                             "every kept layer on one pipeline stage; shard with tensor_parallel_size instead")
+        if self.record_features and self.tensor_parallel_size > 1 and self.vllm_states == "prefill":
+            raise ValueError("record_features with tensor_parallel_size > 1 and vllm_states=prefill: the prefill "
+                             "loads the whole target in one process; use vllm_states=extract (or auto on a GPU)")
+
     def sampling(self):
         """The decoder's SamplingConfig for these settings."""
         return SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+
+    @property
+    def mixes_sampling(self) -> bool:
+        """Whether items sample with settings of their own (temperatures / top_ps), recorded per row."""
+        return bool(self.temperatures or self.top_ps)
+
+    def item_sampling(self, position: int, prompt_id: str, sample_index: int) -> tuple[float, float]:
+        """(temperature, top_p) of the work item at `position` of the unshuffled work list: cycled through the
+        lists, or drawn with a seed of (seed, prompt, sample), so that a resumed run gives every item the same."""
+        temperatures, top_ps = self.temperatures or [self.temperature], self.top_ps or [self.top_p]
+        if self.sampling_mix == "cycle":
+            return float(temperatures[position % len(temperatures)]), float(top_ps[position % len(top_ps)])
+        rng = random.Random(f"{self.seed}/{prompt_id}/{sample_index}")
+        return float(rng.choice(temperatures)), float(rng.choice(top_ps))
 
 
 def fingerprinted_settings(cfg: DataConfig) -> dict:

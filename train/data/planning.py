@@ -14,13 +14,41 @@ from specdec.train.data.config import DataConfig
 log = logging.getLogger(__name__)
 
 
-def conversation(prompt: Prompt, turns: str) -> tuple[list[dict], list[str]]:
-    """Split a prompt into (fixed history, user turns the target answers in order).
+def uses_tools(prompt: Prompt) -> bool:
+    """Whether a chat calls tools (assistant `tool_calls` or `tool` results): the target then rewrites its turns."""
+    return any(m["role"] == "tool" or "tool_calls" in m for m in prompt.messages)
+
+
+def tool_conversation(prompt: Prompt) -> tuple[list[dict], list[list[dict]]]:
+    """A tool-calling chat as (system history, the dataset's messages before each assistant turn): the target
+    writes every assistant turn (its calls and its answers) and the users' messages and the tool results are
+    kept from the dataset, as a served conversation would feed them back."""
+    msgs = prompt.messages
+    first = next(i for i, m in enumerate(msgs) if m["role"] != "system")
+    history, inserts, pending = msgs[:first], [], []
+    for m in msgs[first:]:
+        if m["role"] == "assistant":
+            if pending:
+                inserts.append(pending)
+            pending = []
+        else:
+            pending.append(m)
+    if pending:  # a last user message or tool result the dataset leaves unanswered: the target answers it
+        inserts.append(pending)
+    return history, inserts
+
+
+def conversation(prompt: Prompt, turns: str) -> tuple[list[dict], list]:
+    """Split a prompt into (fixed history, what the target answers in order: user turns, or lists of messages).
 
     A list of user turns with no assistant messages (Spec-Bench, MT-Bench) is a multi-turn conversation:
     the target answers turn 1, then turn 2 after its own answer, and so on (`turns="first"` keeps turn 1).
-    Any other chat is one example: the target answers its last user message, after the history given.
+    A chat that calls tools is regenerated turn by turn (`tool_conversation`). Any other chat is one example:
+    the target answers its last user message, after the history given.
     """
+    if uses_tools(prompt):
+        history, inserts = tool_conversation(prompt)
+        return history, inserts[:1] if turns == "first" else inserts
     msgs = prompt.messages
     users = [i for i, m in enumerate(msgs) if m["role"] == "user"]
     if len(users) > 1 and not any(m["role"] == "assistant" for m in msgs):
@@ -31,11 +59,16 @@ def conversation(prompt: Prompt, turns: str) -> tuple[list[dict], list[str]]:
     return msgs[:last], [msgs[last]["content"]]
 
 
-def dataset_turns(prompt: Prompt) -> list[tuple[list[dict], str]]:
-    """responses=dataset: (the messages before it, its text) for each assistant answer that follows a user message."""
+def dataset_turns(prompt: Prompt) -> list[tuple[list[dict], dict]]:
+    """responses=dataset: (the messages before it, the message) for each assistant answer after a user message."""
     msgs = prompt.messages
-    return [(msgs[:i], m["content"]) for i, m in enumerate(msgs)
+    return [(msgs[:i], m) for i, m in enumerate(msgs)
             if m["role"] == "assistant" and any(x["role"] == "user" for x in msgs[:i])]
+
+
+def turn_messages(turn) -> list[dict]:
+    """The dataset's messages before a target turn: a user turn's text, or a tool chat's list of messages."""
+    return turn if isinstance(turn, list) else [{"role": "user", "content": turn}]
 
 
 @dataclass
@@ -48,8 +81,10 @@ class Item:
     prompt: Prompt
     sample_index: int
     history: list[dict]
-    user_turns: list[str]
+    user_turns: list  # a user message's text each, or (a tool chat) the list of messages before each answer
     first_length: int
+    temperature: float | None = None  # temperatures / top_ps: this item's own sampling; None: the run's
+    top_p: float | None = None
 
 
 def plan_items(prompts: list[Prompt], tokenizer, cfg: DataConfig, context_limit: int | None) -> tuple[list[Item], list[str], str]:
@@ -72,11 +107,11 @@ def plan_items(prompts: list[Prompt], tokenizer, cfg: DataConfig, context_limit:
                 continue
             history = p.messages
             user_turns = [next(m["content"] for m in reversed(before) if m["role"] == "user") for before, _ in turns]
-            ids = encode_prompt(tokenizer, turns[0][0], cfg.use_chat_template)
+            ids = encode_prompt(tokenizer, turns[0][0], cfg.use_chat_template, cfg.chat_template_kwargs, p.tools)
         else:
             history, user_turns = conversation(p, cfg.spec_bench_turns)
-            ids = encode_prompt(tokenizer, history + [{"role": "user", "content": user_turns[0]}],
-                                cfg.use_chat_template)
+            ids = encode_prompt(tokenizer, history + turn_messages(user_turns[0]), cfg.use_chat_template,
+                                cfg.chat_template_kwargs, p.tools)
         if len(ids) > limit:
             if cfg.too_long == "error":
                 raise ValueError(f"prompt {p.prompt_id!r} has {len(ids)} tokens, over the limit of {limit} "
@@ -85,7 +120,11 @@ def plan_items(prompts: list[Prompt], tokenizer, cfg: DataConfig, context_limit:
             skipped.append(p.prompt_id)
             continue
         digest.update(json.dumps([p.prompt_id, ids, p.messages if dataset else user_turns[1:]]).encode())
-        items += [Item(p, s, history, user_turns, len(ids)) for s in range(cfg.num_samples)]
+        for s in range(cfg.num_samples):
+            item = Item(p, s, history, user_turns, len(ids))
+            if cfg.mixes_sampling:
+                item.temperature, item.top_p = cfg.item_sampling(len(items), p.prompt_id, s)
+            items.append(item)
     if unanswered:
         if len(unanswered) == len(prompts):
             raise ValueError(f"responses=dataset keeps the conversations' own assistant answers, but none of the "

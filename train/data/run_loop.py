@@ -138,7 +138,8 @@ def _make_shard(s: int, plan: _Plan, backend: Backend, cfg: DataConfig, progress
     finally:
         if spool is not None:
             spool.discard()
-    write_shard(rows, out / name, cfg.top_logprobs > 0)
+    mixed = {"sampling": True} if cfg.mixes_sampling else {}  # per-row sampling columns only where mixed
+    write_shard(rows, out / name, cfg.top_logprobs > 0, **mixed)
     counts["seconds"] = round(time.perf_counter() - started, 3)  # generation only, for tokens/s
     if states_before is not None:  # a separate prefill of the states: its share of the seconds
         counts["states_seconds"] = round(backend.states_seconds - states_before, 3)

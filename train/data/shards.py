@@ -27,18 +27,20 @@ MANIFEST = "manifest.json"
 SHARD_DIR = "shards"
 
 
-def _schema(top_logprobs: bool):
+def _schema(top_logprobs: bool, sampling: bool = False):
     fields = [("prompt_id", pa.string()), ("category", pa.string()), ("sample_index", pa.int64()),
               ("turn", pa.int64()), ("input_ids", pa.list_(pa.int64())), ("prompt_length", pa.int64())]
     if top_logprobs:
         fields += [("top_ids", pa.list_(pa.list_(pa.int64()))), ("top_logprobs", pa.list_(pa.list_(pa.float32())))]
+    if sampling:  # temperatures / top_ps: what each row was sampled at
+        fields += [("temperature", pa.float64()), ("top_p", pa.float64())]
     return pa.schema(fields)
 
 
-def write_shard(rows: list[dict], path: Path, top_logprobs: bool) -> None:
+def write_shard(rows: list[dict], path: Path, top_logprobs: bool, sampling: bool = False) -> None:
     """Write rows as one parquet file, atomically (temporary file, then rename)."""
     table = pa.Table.from_pylist([{k: v for k, v in r.items() if k != "features"} for r in rows],
-                                 schema=_schema(top_logprobs))
+                                 schema=_schema(top_logprobs, sampling))
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     pq.write_table(table, tmp)
     os.replace(tmp, path)
@@ -194,7 +196,11 @@ def manifest_base(cfg: DataConfig, settings: dict, fingerprint: str, num_prompts
         "settings": settings,
         "generation": {**{k: settings[k] for k in ("temperature", "top_k", "top_p", "max_new_tokens", "num_samples",
                                                      "seed", "top_logprobs", "use_chat_template", "backend", "dtype")},
-                       "responses": cfg.responses},
+                       "responses": cfg.responses, "chat_template_kwargs": cfg.chat_template_kwargs,
+                       "temperatures": cfg.temperatures or [cfg.temperature], "top_ps": cfg.top_ps or [cfg.top_p],
+                       "sampling_mix": cfg.sampling_mix if cfg.mixes_sampling else None,
+                       "tensor_parallel_size": cfg.tensor_parallel_size,
+                       "pipeline_parallel_size": cfg.pipeline_parallel_size},
         "top_logprobs_of": "log_softmax of the target's raw logits (temperature 1, no top-k/top-p)",
         "features": {"layer_ids": cfg.eagle_aux_layer_ids, "dtype": str(RECORDED_STATES_DTYPE).removeprefix("torch."),
                      "of": "the final norm's output, then the residual stream after each of layer_ids, at the "

@@ -120,23 +120,14 @@ def engine_settings(cfg: DataConfig, device, dtype: str, prefill_model_loaded: b
     # What vLLM reads of this environment (vllm_env.child_env): not specdec's venv paths, no credentials of other
     # services, and not the launcher's rank variables (each process's engine is a world of its own).
     env = child_env(settings={"SPECDEC_VLLM_PARENT": str(os.getpid())})
+    engine_devices = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
+    if engine_devices > 1:  # a target sharded over several devices: vLLM's own worker per shard
+        args.update(tensor_parallel_size=cfg.tensor_parallel_size, pipeline_parallel_size=cfg.pipeline_parallel_size)
     if device.type == "cpu":
-        # One process (it starts faster than with vLLM's default engine process) and a KV cache of a
-        # set size: vLLM's CPU default is a share of the machine's memory.
-        args["distributed_executor_backend"] = "uni"
-        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)
-        if procs.count > 1:
-            cpus = cpu_share(procs.index, procs.count, os.environ.get("VLLM_CPU_OMP_THREADS_BIND"))
-            # The in-process engine runs on the cores the worker pins itself to, with one OpenMP thread each;
-            # VLLM_CPU_OMP_THREADS_BIND is the same list for vLLM's own engine processes (vllm_args may ask for them).
-            env.update(SPECDEC_VLLM_CPUS=",".join(map(str, cpus)), OMP_NUM_THREADS=str(len(cpus)),
-                       VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cpus)))
+        _cpu_settings(args, env, procs, engine_devices)
     elif device.type == "cuda":
-        if procs.count > 1:  # this process's GPU only, as the engine's cuda:0
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[index] if visible else str(index)
+        if procs.count > 1 or engine_devices > 1:  # this process's GPUs only, as the engine's cuda:0, 1, ...
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(_engine_gpus(device, procs, engine_devices))
         if prefill_model_loaded or torch.cuda.is_initialized():
             # Leave the prefill model (and this process's CUDA context, under a launch) their room.
             free, total = torch.cuda.mem_get_info(device)
@@ -151,6 +142,44 @@ def engine_settings(cfg: DataConfig, device, dtype: str, prefill_model_loaded: b
                                                                     "use_synchronization_lock": False}}
     args.update(cfg.vllm_args or {})
     return args, env
+
+
+def _cpu_settings(args: dict, env: dict, procs: Processes, engine_devices: int) -> None:
+    """vLLM on a CPU: one process (it starts faster than with vLLM's default engine process) and a KV cache of a set
+    size (vLLM's CPU default is a share of the machine's memory); a sharded target (engine_devices > 1) gets a
+    worker process per shard, each on its own part of this process's cores."""
+    args["distributed_executor_backend"] = "uni" if engine_devices == 1 else "mp"
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)
+    if procs.count == 1 and engine_devices == 1:
+        return
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    cpus = cpu_share(procs.index, procs.count, bind) if procs.count > 1 else \
+        sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if len(cpus) < engine_devices:
+        raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {engine_devices} CPU workers need a core "
+                         f"each, but this process has {len(cpus)}; lower them or launch fewer processes")
+    # The in-process engine runs on the cores the worker pins itself to, with one OpenMP thread each;
+    # VLLM_CPU_OMP_THREADS_BIND is the same list for vLLM's own worker processes, one part per shard ("|").
+    parts = [cpus[i::engine_devices] for i in range(engine_devices)]
+    env.update(SPECDEC_VLLM_CPUS=",".join(map(str, cpus)), OMP_NUM_THREADS=str(len(parts[0])),
+               VLLM_CPU_OMP_THREADS_BIND="|".join(",".join(map(str, part)) for part in parts))
+
+
+def _engine_gpus(device, procs: Processes, engine_devices: int) -> list[str]:
+    """The GPUs of this process's engine: its own one, or (a sharded target) the process's block of
+    engine_devices GPUs; ValueError when there are not that many."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    if engine_devices == 1:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return [gpus[index] if visible else str(index)]
+    first = procs.index * engine_devices
+    if first + engine_devices > len(gpus):
+        raise ValueError(f"{procs.count} process(es) x tensor_parallel_size x pipeline_parallel_size = "
+                         f"{procs.count * engine_devices} GPUs, but {len(gpus)} are visible; launch "
+                         f"{max(len(gpus) // engine_devices, 1)} process(es) or lower the parallel sizes")
+    return gpus[first: first + engine_devices]
 
 
 def cpu_share(index: int, count: int, bind: str | None) -> list[int]:

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 from specdec import draft_registry
 from specdec.train.kinds.base import KindOptions, KindRun, TrainingFacts, TrainingKind
-from specdec.train.kinds.eagle3 import Eagle3TrainingKind
+from specdec.train.kinds.dflash import DFlashTrainingKind
+from specdec.train.kinds.eagle3 import Eagle3TrainingKind, PEagleTrainingKind
+from specdec.train.kinds.parallel import ParallelTrainingKind
 from specdec.train.kinds.plain import PlainTrainingKind
 
 __all__ = ["KindOptions", "KindRun", "TrainingFacts", "TrainingKind", "check", "for_recipe", "get", "names",
@@ -78,3 +80,6 @@ def check(cfg) -> None:
 
 register(PLAIN)
 register(Eagle3TrainingKind())
+register(PEagleTrainingKind())
+register(ParallelTrainingKind())
+register(DFlashTrainingKind())

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from specdec.eagle3.kind import DEFAULT_VOCAB, NAME
+from specdec.eagle3.kind import DEFAULT_VOCAB, NAME, PARALLEL_NAME
 from specdec.train.card_engines import sglang_lines, vllm_lines
 from specdec.train.eagle3_states import SOURCES as STATES_SOURCES
-from specdec.train.eagle3_train import Eagle3Training
+from specdec.train.eagle3_train import Eagle3Training, PEagleTraining
 from specdec.train.kinds.base import KindOptions, TrainingFacts
 from specdec.train.kinds.eagle3_plan import eagle3_plan
 from specdec.train.plan.kind import KindPlan, PlanContext
@@ -47,6 +47,15 @@ class Eagle3Options(KindOptions):
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
 
 
+@dataclass
+class PEagleOptions(Eagle3Options):
+    """draft=peagle's keys: EAGLE-3's (`ttt_steps`: the k proposals a round trains in one forward), and:"""
+
+    # The mask token the masked slots read (config.json's ptd_token_id, which vLLM reads); -1 = the tokenizer's
+    # pad token, else its EOS.
+    ptd_token_id: int = -1
+
+
 class Eagle3TrainingKind:
     name = NAME
     facts = TrainingFacts(
@@ -67,10 +76,30 @@ class Eagle3TrainingKind:
         return eagle3_usage(info, k)
 
 
-def eagle3_usage(info, k: int, q=json.dumps) -> list[str]:
+class PEagleTrainingKind(Eagle3TrainingKind):
+    """P-EAGLE (specdec/eagle3/kind.py: PEagleKind): EAGLE-3's training with the parallel objective."""
+
+    name = PARALLEL_NAME
+    options = PEagleOptions
+
+    def start(self, cfg, target, tokenizer, vocabulary, device, autocast, folders) -> PEagleTraining:
+        return PEagleTraining(cfg, target, tokenizer, vocabulary, device, autocast, folders)
+
+    def card_usage(self, info, k: int) -> list[str]:
+        lines = eagle3_usage(info, k, parallel=True)
+        return lines[:3] + [
+            "It is a P-EAGLE draft: it proposes a round's k tokens in one forward (the mask token "
+            f"`ptd_token_id` {info.kind_facts['ptd_token_id']} and the learned `mask_hidden` at the masked slots), "
+            "which vLLM serves as `eagle3` with `parallel_drafting: true` (speculators' layout: a `peagle` "
+            "checkpoint, which `vllm serve` runs so by itself). SGLang has no parallel drafting for EAGLE-3: "
+            "serve it with vLLM.", ""] + lines[3:]
+
+
+def eagle3_usage(info, k: int, q=json.dumps, parallel: bool = False) -> list[str]:
     """How vLLM and SGLang (engines layout) or speculators and `vllm serve` (speculators layout) run this draft."""
     draft, target = info.model_ref, info.target_ref
-    vllm_config = json.dumps({"method": info.method, "model": draft, "num_speculative_tokens": k})
+    spec = {"method": info.method, "model": draft, "num_speculative_tokens": k}
+    vllm_config = json.dumps(spec | ({"parallel_drafting": True} if parallel else {}))
     ids = info.kind_facts["layer_ids"]
     lines = [
         "## Usage",

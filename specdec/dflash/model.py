@@ -1,0 +1,341 @@
+"""DFlash drafts (Chen et al. 2026, "DFlash: Block Diffusion for Flash Speculative Decoding", arXiv:2602.06036),
+computed as vLLM 0.32's `DFlashQwen3ForCausalLM` (vllm/model_executor/models/qwen3_dflash.py) computes them.
+
+A DFlash draft proposes a whole block in one forward. Its queries are a block of positions: the last accepted
+token (the anchor) at its own position, then mask tokens at the next positions; each mask slot's logits propose
+the token at its position. Its context is the target's hidden states at every position before the anchor, read
+after several of the target's layers and fused by one projection:
+
+    c            = hidden_norm(fc(cat(a_1, .., a_m)))        a_i: the residual stream after layer id i
+    per layer    keys/values = [k_norm(k_proj(c)), v_proj(c)]  (context, rotary at its own positions)
+                             + the block's own keys/values   (input_layernorm'd slots, no causal mask in the block)
+                 x = x + o_proj(attn(q_norm(q_proj(input_layernorm(x))), keys, values))
+                 x = x + mlp(post_attention_layernorm(x))
+    logits       = lm_head(norm(x))                          draft id i is target id i + d2t[i]
+
+Its decoder layers are Qwen3's (q_norm and k_norm), whatever the target's architecture, as both peers build them.
+The embeddings and the head are the target's (the head's rows of the kept ids), frozen. The context's keys and
+values depend on the target's states alone, never on the block: the decoder caches them and feeds the block only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import Qwen3Config
+from transformers.models.llama.modeling_llama import repeat_kv
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+)
+
+from specdec.dflash import formats
+from specdec.eagle3.model import check_layer_ids, positions_in_documents
+
+ContextKV = list[tuple[torch.Tensor, torch.Tensor]]  # per draft layer: keys, values [B, kv_heads, n, head_dim]
+
+
+def default_layer_ids(num_layers: int, count: int = 5) -> list[int]:
+    """`count` ids spread evenly from after layer 2 to after layer N - 2 (z-lab's and speculators' default reads
+    5 layers from the second to the third-last), distinct; fewer when the target is too shallow."""
+    low, high = 2, max(2, num_layers - 2)
+    if num_layers < 4:
+        raise ValueError(f"a {num_layers}-layer target is too shallow for the default DFlash layers: name them "
+                         f"with layer_ids (distinct ids in 1..{num_layers - 1})")
+    ids = sorted({round(low + (high - low) * i / max(1, count - 1)) for i in range(count)})
+    return check_layer_ids(ids, num_layers)
+
+
+def draft_config(target_config, layer_ids: list[int], draft_vocab_size: int, num_layers: int, block_size: int,
+                 mask_token_id: int) -> Qwen3Config:
+    """The draft's Qwen3 config from the target's widths, with the keys vLLM's DFlash loader reads."""
+    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    hidden, heads = text.hidden_size, text.num_attention_heads
+    rope = getattr(text, "rope_parameters", None) or {"rope_type": "default",
+                                                       "rope_theta": getattr(text, "rope_theta", 10000.0)}
+    config = Qwen3Config(
+        vocab_size=text.vocab_size, hidden_size=hidden, intermediate_size=text.intermediate_size,
+        num_hidden_layers=int(num_layers), num_attention_heads=heads,
+        num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text, "head_dim", None) or hidden // heads, hidden_act=text.hidden_act,
+        max_position_embeddings=text.max_position_embeddings, rms_norm_eps=text.rms_norm_eps,
+        rope_parameters=dict(rope), attention_bias=False, tie_word_embeddings=False, use_sliding_window=False,
+        bos_token_id=getattr(text, "bos_token_id", None), eos_token_id=getattr(text, "eos_token_id", None),
+        pad_token_id=getattr(text, "pad_token_id", None),
+    )
+    config.architectures = [formats.ARCHITECTURE]
+    config.draft_vocab_size = int(draft_vocab_size)
+    config.target_hidden_size = hidden
+    config.num_target_layers = text.num_hidden_layers
+    config.target_architectures = list(getattr(target_config, "architectures", None) or ["LlamaForCausalLM"])
+    config.block_size = int(block_size)
+    config.dflash_layer_ids = list(layer_ids)  # specdec's numbering (after i layers); formats.py converts
+    config.mask_token_id = int(mask_token_id)
+    return config
+
+
+class DFlashLayer(nn.Module):
+    """A Qwen3 decoder layer whose keys and values also cover the projected target context."""
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.input_layernorm = Qwen3RMSNorm(hidden, eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(hidden, eps)
+        attn = self.self_attn = nn.Module()
+        attn.q_proj = nn.Linear(hidden, self.heads * self.head_dim, bias=False)
+        attn.k_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=False)
+        attn.v_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=False)
+        attn.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=False)
+        attn.q_norm = Qwen3RMSNorm(self.head_dim, eps)
+        attn.k_norm = Qwen3RMSNorm(self.head_dim, eps)
+        self.mlp = Qwen3MLP(config)
+
+    def keys_values(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated, normed keys and values of already-normed inputs x [B, n, H].  [B, kv_heads, n, d] each"""
+        b, n, _ = x.shape
+        attn = self.self_attn
+        k = attn.k_norm(attn.k_proj(x).view(b, n, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = attn.v_proj(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = cos[:, None], sin[:, None]
+        return k * cos + _rotate_half(k) * sin, v
+
+    def forward(self, x: torch.Tensor, context: tuple[torch.Tensor, torch.Tensor], cos, sin,
+                allowed: torch.Tensor) -> torch.Tensor:
+        """The block's slots x [B, q, H] after this layer; `allowed` [B or 1, 1, q, n_context + q]."""
+        b, n, _ = x.shape
+        attn = self.self_attn
+        h = self.input_layernorm(x)
+        q = attn.q_norm(attn.q_proj(h).view(b, n, self.heads, self.head_dim)).transpose(1, 2)
+        q = q * cos[:, None] + _rotate_half(q) * sin[:, None]
+        k, v = self.keys_values(h, cos, sin)
+        k, v = torch.cat([context[0], k], dim=2), torch.cat([context[1], v], dim=2)
+        rep = self.heads // self.kv_heads
+        out = F.scaled_dot_product_attention(q, repeat_kv(k, rep), repeat_kv(v, rep), attn_mask=allowed)
+        x = x + attn.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+class DFlashDraft(nn.Module):
+    """A DFlash draft over a target (see the module docstring); `draft_to_target` maps its logits to target ids."""
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.config = config
+        hidden = config.hidden_size
+        self.layer_ids = list(config.dflash_layer_ids)
+        self.block_size = int(config.block_size)
+        self.mask_token_id = int(config.mask_token_id)
+        self.embed_tokens = nn.Embedding(config.vocab_size, hidden)  # the target's, frozen
+        self.fc = nn.Linear(len(self.layer_ids) * config.target_hidden_size, hidden, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(hidden, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(hidden, config.rms_norm_eps)
+        self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
+        self.register_buffer("draft_to_target", torch.arange(config.draft_vocab_size), persistent=False)
+
+    # ---- the parts of the causal-LM interface that the decoder, trainer and loaders use
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def set_vocabulary(self, keep_ids: torch.Tensor | None) -> None:
+        """Draft ids = the kept target ids in ascending order (None: all); d2t holds the offsets vLLM adds."""
+        vocab, rows = self.config.vocab_size, self.config.draft_vocab_size
+        keep = torch.arange(vocab) if keep_ids is None else torch.as_tensor(keep_ids).long().sort().values.cpu()
+        if keep.numel() != rows or (keep.numel() and (int(keep[0]) < 0 or int(keep[-1]) >= vocab)) \
+                or torch.unique(keep).numel() != keep.numel():
+            raise ValueError(f"the draft vocabulary must be {rows} distinct ids in [0, {vocab}), got {keep.numel()}")
+        device = self.d2t.device
+        self.d2t.copy_((keep - torch.arange(rows)).to(device))
+        self.t2d.zero_()
+        self.t2d[keep.to(device)] = True
+        self.draft_to_target = keep.to(device)
+
+    def kept_ids(self) -> torch.Tensor:
+        """The target ids of the draft's logits (ascending), from d2t.  [draft_vocab]"""
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    # ---- the computation
+    def context(self, states: torch.Tensor, positions: torch.Tensor) -> ContextKV:
+        """Each layer's keys and values of the target's states [B, n, m H_target] at `positions` [B, n]."""
+        c = self.hidden_norm(self.fc(states.to(self.fc.weight.dtype)))
+        cos, sin = self.rotary_emb(c, positions)
+        return [layer.keys_values(c, cos, sin) for layer in self.layers]
+
+    def block(self, ids: torch.Tensor, positions: torch.Tensor, context: ContextKV,
+              allowed: torch.Tensor, head: bool = True) -> torch.Tensor:
+        """Logits [B, q, draft_vocab] of block slots `ids` [B, q] at `positions` [B, q] (the final norm's output
+        [B, q, H] without `head`); `allowed` [B or 1, 1, q, n_context + q] says which context keys and slots each
+        slot attends to."""
+        x = self.embed_tokens(ids)
+        cos, sin = self.rotary_emb(x, positions)
+        for layer, kv in zip(self.layers, context):
+            x = layer(x, kv, cos, sin, allowed)
+        return self.lm_head(self.norm(x)) if head else self.norm(x)
+
+    def forward(self, input_ids: torch.Tensor, states: torch.Tensor, anchors: torch.Tensor,
+                attention_mask: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
+                block_size: int | None = None, head: bool = True) -> torch.Tensor:
+        """Training's and the replay's forward: one block at each anchor, all at once.  Logits [B, A, bs, V_d]
+        (the final norm's output [B, A, bs, H] without `head`: training applies the head in chunks).
+
+        input_ids [B, S], states [B, S, m H_target], anchors [B, A] (positions; -1 = none). The block at anchor a
+        reads a's token then mask tokens at positions a + 1 .., attends to the context before a (real positions of
+        a's document) and to its own slots, exactly as the decoder's round whose last accepted token is a."""
+        bs = block_size or self.block_size
+        b, s = input_ids.shape
+        docs = torch.zeros_like(input_ids) if document_ids is None else document_ids
+        positions = torch.arange(s, device=input_ids.device)[None].expand(b, s) if document_ids is None \
+            else positions_in_documents(docs)
+        context = self.context(states, positions)
+        anchor = anchors.clamp_min(0)
+        ids = torch.full((b, anchors.shape[1], bs), self.mask_token_id, dtype=torch.long, device=input_ids.device)
+        ids[:, :, 0] = input_ids.gather(1, anchor)
+        slot_positions = positions.gather(1, anchor)[..., None] + torch.arange(bs, device=input_ids.device)
+        allowed = anchored_mask(anchors, docs, attention_mask, bs)
+        out = self.block(ids.flatten(1), slot_positions.flatten(1), context, allowed, head)
+        return out.view(b, anchors.shape[1], bs, -1)
+
+    # ---- construction, saving and loading
+    @classmethod
+    def from_target(cls, target: nn.Module, layer_ids: list[int] | None = None, keep_ids: torch.Tensor | None = None,
+                    num_layers: int = 1, block_size: int = 8, mask_token_id: int | None = None,
+                    seed: int = 0) -> DFlashDraft:
+        """A new draft for `target`: its frozen embeddings, final norm and head rows (the kept ids), and a seeded
+        fc and `num_layers` layers reading the target's residual stream after `layer_ids`."""
+        target_layers = len(target.get_decoder().layers)
+        ids = check_layer_ids(layer_ids or default_layer_ids(target_layers), target_layers)
+        vocab = target.get_input_embeddings().num_embeddings
+        mask = vocab - 1 if mask_token_id is None else int(mask_token_id)
+        if not 0 <= mask < vocab:
+            raise ValueError(f"mask_token_id must be a token id in [0, {vocab}), got {mask_token_id}")
+        if block_size < 2:
+            raise ValueError(f"block_size must be >= 2 (the anchor and at least one proposed token), got {block_size}")
+        rows = vocab if keep_ids is None else int(keep_ids.numel())
+        config = draft_config(target.config, ids, rows, num_layers, block_size, mask)
+        config.vocab_size = vocab
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            draft = cls(config)
+            draft.apply(_init_weights)
+        draft.set_vocabulary(keep_ids)
+        param = next(target.parameters())
+        draft = draft.to(device=param.device, dtype=param.dtype)
+        with torch.no_grad():
+            draft.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
+            draft.norm.weight.copy_(target.get_decoder().norm.weight)
+            head = target.get_output_embeddings().weight
+            draft.lm_head.weight.copy_(head[draft.kept_ids().to(head.device)])
+        draft.embed_tokens.weight.requires_grad_(False)
+        draft.lm_head.weight.requires_grad_(False)
+        return draft
+
+    def weights(self, state_dict: dict | None = None) -> dict[str, torch.Tensor]:
+        """The weights under vLLM's names (no rotary buffers; the head only when the vocabulary is reduced)."""
+        state = self.state_dict() if state_dict is None else state_dict
+        return {k: v.detach().cpu().contiguous() for k, v in state.items() if not k.startswith("rotary_emb.")}
+
+    def save_pretrained(self, out_dir: str | Path, state_dict: dict | None = None, format: str = "",
+                        speculators: dict | None = None, **_ignored) -> None:
+        formats.write(out_dir, self.config, self.weights(state_dict), self.dtype, format or formats.FORMATS[0],
+                      speculators)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> DFlashDraft:
+        """Load either layout; a checkpoint without embeddings or head takes the target's (`adopt_target`)."""
+        draft = cls(formats.read_config(path)).to(dtype)
+        state = formats.read_state(path)
+        draft.needs_target = [k for k in ("embed_tokens.weight", "lm_head.weight") if k not in state]
+        for key in draft.needs_target:
+            state[key] = torch.full_like(draft.state_dict()[key], float("nan"))
+        try:
+            missing, unexpected = draft.load_state_dict(state, strict=False)
+        except RuntimeError as err:
+            first = next((line.strip() for line in str(err).splitlines() if "size mismatch" in line), str(err))
+            raise ValueError(f"{path}/{formats.WEIGHTS_FILE} does not match its config.json ({first}); re-export "
+                             f"the draft (specdec publish)") from None
+        missing = [m for m in missing if not m.startswith("rotary_emb.") and m not in ("d2t", "t2d")]
+        if missing or unexpected:
+            raise ValueError(f"{path}: DFlash weights do not match its config (missing {missing}, "
+                             f"unexpected {unexpected})")
+        draft.draft_to_target = draft.kept_ids()
+        draft.embed_tokens.weight.requires_grad_(False)
+        return draft.eval()
+
+    def check_target(self, target: nn.Module, name: str = "this DFlash draft", target_name: str = "the target") -> None:
+        """ValueError (both sizes and the fix) when `target` is not one this draft can read."""
+        kind = (getattr(target.config, "architectures", None) or [type(target).__name__])[0]
+        fix = ("a DFlash draft serves only the target it was trained for: pass that target, or train a DFlash "
+               "draft for this one (draft: dflash in a recipe)")
+        rows = target.get_input_embeddings().num_embeddings
+        if rows != self.config.vocab_size:
+            raise ValueError(f"vocabulary mismatch: {name} (DFlash) embeds {self.config.vocab_size:,} token ids "
+                             f"(config.json vocab_size) but {target_name} ({kind}) has {rows:,}; {fix}")
+        width = target.config.get_text_config().hidden_size
+        if width != self.config.target_hidden_size:
+            raise ValueError(f"{name} (DFlash) reads hidden states {self.config.target_hidden_size:,} wide "
+                             f"(config.json target_hidden_size) but {target_name} ({kind}) has {width:,}; {fix}")
+        layers = len(target.get_decoder().layers)
+        if max(self.layer_ids) >= layers:
+            raise ValueError(f"{name} (DFlash) reads the states after layers {self.layer_ids} but {target_name} "
+                             f"({kind}) has {layers} layers; {fix}")
+
+    def adopt_target(self, target: nn.Module) -> None:
+        """Share the target's embeddings (and head rows) when this draft's checkpoint stored none, as vLLM does."""
+        if getattr(self, "needs_target", None):
+            self.check_target(target)
+            with torch.no_grad():
+                if "embed_tokens.weight" in self.needs_target:
+                    self.embed_tokens.weight = target.get_input_embeddings().weight
+                if "lm_head.weight" in self.needs_target:
+                    head = target.get_output_embeddings().weight
+                    self.lm_head.weight.copy_(head[self.kept_ids().to(head.device)])
+            self.needs_target = []
+
+
+def anchored_mask(anchors: torch.Tensor, docs: torch.Tensor, attention_mask: torch.Tensor | None,
+                  block_size: int) -> torch.Tensor:
+    """Which keys each block slot attends to: the real context positions before its anchor in the anchor's
+    document, and every slot of its own block.  anchors [B, A], docs [B, S] -> [B, 1, A bs, S + A bs] bool"""
+    b, s = docs.shape
+    a = anchors.shape[1]
+    index = torch.arange(s, device=docs.device)
+    anchor = anchors.clamp_min(0)
+    same_doc = docs[:, None, :] == docs.gather(1, anchor)[..., None]  # [B, A, S]
+    context = same_doc & (index[None, None] < anchors[..., None])
+    if attention_mask is not None:
+        context = context & attention_mask[:, None, :].bool()
+    context = context.repeat_interleave(block_size, dim=1)  # [B, A bs, S]
+    block_of = torch.arange(a * block_size, device=docs.device) // block_size
+    own = (block_of[:, None] == block_of[None, :])[None].expand(b, -1, -1)
+    return torch.cat([context, own], dim=2)[:, None]
+
+
+def _init_weights(module: nn.Module) -> None:
+    # Llama's and Qwen3's initialisation (normal, std 0.02); norms start at one.
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=0.02)
