@@ -1,6 +1,6 @@
 """Checks shared by the tests of the drafts that read the target's hidden states (tests/test_eagle3.py,
-tests/test_peagle.py, tests/test_dflash.py): exact greedy decoding, the replay equal to the decoder's rounds, and
-a trainer run with its logged losses."""
+tests/test_peagle.py, tests/test_dflash.py): fitting a draft, exact greedy decoding, the replay equal to the
+decoder's rounds, and a trainer run with its logged losses."""
 
 from __future__ import annotations
 
@@ -13,6 +13,25 @@ from conftest import ragged_prompts
 
 from specdec import speculative_generate, target_generate
 from specdec.replay import replay_runs, target_states
+
+
+def fit(draft, loss_of, steps: int, lr: float = 1e-2):
+    """`steps` Adam steps of the draft's trainable weights on the loss `loss_of()` computes; the draft, in eval
+    mode."""
+    opt = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=lr)
+    for _ in range(steps):
+        loss = loss_of()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return draft.eval()
+
+
+def draft_ids(draft, vocab: int) -> torch.Tensor:
+    """Each target id's draft id, -1 where the draft's vocabulary lacks it.  [vocab]"""
+    inv = torch.full((vocab,), -1, dtype=torch.long)
+    inv[draft.draft_to_target] = torch.arange(draft.config.draft_vocab_size)
+    return inv
 
 
 def greedy_outputs_equal_the_target(target, draft, batch: int, k: int, vocab: int = 128, eos: int = 2) -> list:

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import ragged_prompts, tiny_llama
-from draft_checks import greedy_outputs_equal_the_target, replay_predicts_every_round
+from draft_checks import draft_ids, fit, greedy_outputs_equal_the_target, replay_predicts_every_round
 
 from specdec import speculative_generate, target_generate
 from specdec.dflash import DFlashDraft
@@ -41,17 +41,13 @@ def fitted_draft(target, keep_ids=None, steps: int = 150, layers=LAYERS, vocab: 
     states = target_states(target, seq, torch.ones_like(seq), layers)
     anchors = torch.arange(seq.shape[1] - BLOCK)[None].expand(seq.shape[0], -1)
     labels = seq.gather(1, (anchors[..., None] + torch.arange(BLOCK)).flatten(1)).view(*anchors.shape, BLOCK)
-    inv = torch.full((vocab,), -1, dtype=torch.long)
-    inv[draft.draft_to_target] = torch.arange(draft.config.draft_vocab_size)
-    local = inv[labels[..., 1:]]
-    opt = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=1e-2)
-    for _ in range(steps):
+    local = draft_ids(draft, vocab)[labels[..., 1:]]
+
+    def loss():
         logits = draft(seq, states, anchors)[:, :, 1:]
-        loss = F.cross_entropy(logits[local >= 0], local[local >= 0])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return draft.eval()
+        return F.cross_entropy(logits[local >= 0], local[local >= 0])
+
+    return fit(draft, loss, steps)
 
 
 @pytest.fixture(scope="module")

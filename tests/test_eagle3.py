@@ -8,7 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import ragged_prompts, tiny_llama
-from draft_checks import greedy_outputs_equal_the_target, replay_predicts_every_round, run_logging_losses
+from draft_checks import (
+    draft_ids,
+    fit,
+    greedy_outputs_equal_the_target,
+    replay_predicts_every_round,
+    run_logging_losses,
+)
 
 from specdec import speculative_generate, target_generate
 from specdec.eagle3 import Eagle3Draft, Eagle3Drafter, HiddenStateRecorder, default_layer_ids
@@ -45,19 +51,16 @@ def fitted_draft(target, keep_ids=None, steps: int = 120, seed: int = 0) -> Eagl
     mask = torch.ones_like(seq)
     states = target_states(draft, target, seq, mask)
     labels = seq[:, 2:]  # draft position t proposes token t + 2
-    inv = torch.full((VOCAB,), -1, dtype=torch.long)
-    inv[draft.draft_to_target] = torch.arange(draft.config.draft_vocab_size)
-    opt = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=1e-2)
-    for _ in range(steps):
-        outs = draft(seq, states, attention_mask=mask, ttt_steps=3)
-        loss = 0.0
-        for j, out in enumerate(outs):
+    inv = draft_ids(draft, VOCAB)
+
+    def loss():
+        total = 0.0
+        for j, out in enumerate(draft(seq, states, attention_mask=mask, ttt_steps=3)):
             local, logits = inv[labels[:, j:]], draft.logits(out[:, j:-1])
-            loss = loss + F.cross_entropy(logits[local >= 0], local[local >= 0])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return draft.eval()
+            total = total + F.cross_entropy(logits[local >= 0], local[local >= 0])
+        return total
+
+    return fit(draft, loss, steps)
 
 
 @pytest.fixture(scope="module")

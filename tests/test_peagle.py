@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import ragged_prompts, tiny_llama
-from draft_checks import greedy_outputs_equal_the_target, replay_predicts_every_round, run_logging_losses
+from draft_checks import fit, greedy_outputs_equal_the_target, replay_predicts_every_round, run_logging_losses
 
 from specdec import SamplingConfig, draft_registry, speculative_generate, target_generate
 from specdec.eagle3 import Eagle3Draft
@@ -43,15 +43,13 @@ def fitted_draft(target, steps: int = 120, k: int = 4) -> Eagle3Draft:
     mask = torch.ones_like(seq)
     states = target_states(draft, target, seq, mask)
     labels = seq[:, 2:]  # draft position t proposes token t + 2
-    opt = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=1e-2)
-    for _ in range(steps):
+
+    def loss():
         outs = draft(seq, states, attention_mask=mask, ttt_steps=k)
-        loss = sum(F.cross_entropy(draft.logits(out[:, j:-1]).flatten(0, 1), labels[:, j:].flatten())
+        return sum(F.cross_entropy(draft.logits(out[:, j:-1]).flatten(0, 1), labels[:, j:].flatten())
                    for j, out in enumerate(outs))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return draft.eval()
+
+    return fit(draft, loss, steps)
 
 
 @pytest.fixture(scope="module")
