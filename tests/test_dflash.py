@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import ragged_prompts, tiny_llama
+from draft_checks import draft_ids, fit, greedy_outputs_equal_the_target, replay_predicts_every_round
 
 from specdec import speculative_generate, target_generate
 from specdec.dflash import DFlashDraft
@@ -40,17 +41,13 @@ def fitted_draft(target, keep_ids=None, steps: int = 150, layers=LAYERS, vocab: 
     states = target_states(target, seq, torch.ones_like(seq), layers)
     anchors = torch.arange(seq.shape[1] - BLOCK)[None].expand(seq.shape[0], -1)
     labels = seq.gather(1, (anchors[..., None] + torch.arange(BLOCK)).flatten(1)).view(*anchors.shape, BLOCK)
-    inv = torch.full((vocab,), -1, dtype=torch.long)
-    inv[draft.draft_to_target] = torch.arange(draft.config.draft_vocab_size)
-    local = inv[labels[..., 1:]]
-    opt = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=1e-2)
-    for _ in range(steps):
+    local = draft_ids(draft, vocab)[labels[..., 1:]]
+
+    def loss():
         logits = draft(seq, states, anchors)[:, :, 1:]
-        loss = F.cross_entropy(logits[local >= 0], local[local >= 0])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return draft.eval()
+        return F.cross_entropy(logits[local >= 0], local[local >= 0])
+
+    return fit(draft, loss, steps)
 
 
 @pytest.fixture(scope="module")
@@ -63,14 +60,7 @@ def good_draft(target4):
 @pytest.mark.parametrize("which", ["random", "fitted"])
 def test_greedy_output_equals_the_target_alone(target4, random_draft, good_draft, which, batch, k):
     draft = random_draft if which == "random" else good_draft
-    for seed in range(3):
-        ids, mask = ragged_prompts(batch, VOCAB, seed=seed + 10 * k)
-        if batch == 1:
-            ids, mask = ids[:, mask[0].argmax():], None
-        ref = target_generate(target4, ids, mask, max_new_tokens=40, eos_token_id=EOS)
-        out = speculative_generate(target4, draft, ids, mask, num_draft_tokens=k, max_new_tokens=40, eos_token_id=EOS)
-        assert torch.equal(out.sequences, ref.sequences), f"seed {seed}"
-        assert not out.stats.fallback and out.stats.draft_forwards > 0
+    greedy_outputs_equal_the_target(target4, draft, batch, k, VOCAB, EOS)
 
 
 def test_a_round_is_one_draft_forward_and_a_fitted_draft_accepts_blocks(target4, good_draft):
@@ -86,23 +76,9 @@ def test_a_round_is_one_draft_forward_and_a_fitted_draft_accepts_blocks(target4,
 def test_replayed_runs_match_the_decoders_rounds(target4, good_draft):
     """The held-out replay is exact: on the target's own greedy output it predicts every round's accepted count
     of the real decoder (specdec/replay.py through the kind's block replay)."""
-    from specdec.replay import replay_runs, target_states
-
     prompts = ragged_prompts(6, VOCAB, seed=21, min_len=6, max_len=6)[0][:1]
     k, new = 3, 46  # fitted on 30 tokens: the rest makes it miss too
-    out = speculative_generate(target4, good_draft, prompts, num_draft_tokens=k, max_new_tokens=new, trace=True)
-    seq = target_generate(target4, prompts, max_new_tokens=new).sequences
-    assert torch.equal(out.sequences, seq)
-    mask = torch.ones_like(seq)
-    loss_mask = torch.zeros_like(seq, dtype=torch.bool)
-    loss_mask[0, prompts.shape[1] - 1: seq.shape[1] - 1] = True
-    runs = replay_runs(good_draft, seq, mask, loss_mask, k, target_states(good_draft, target4, seq, mask))[0]
-    i, length = 1, prompts.shape[1] + 1  # the first round drafts completion token 1 (token 0 is the prefill's)
-    for r in out.trace:
-        k_round = max(1, min(k, prompts.shape[1] + new - length - 1))
-        assert int(r.num_accepted[0]) == min(runs[i], k_round), f"round at completion token {i}"
-        i += r.advanced
-        length += r.advanced
+    out, runs = replay_predicts_every_round(target4, good_draft, prompts, k, new)
     assert max(int(r.num_accepted[0]) for r in out.trace) == k and min(runs) == 0
 
 
@@ -297,41 +273,14 @@ def test_dflash_in_two_processes_trains_exactly_as_one(tmp_path, caplog):
     """draft=dflash under `accelerate launch` with two gloo processes equals one process at the same global batch
     (float32): per-step losses, final weights and the held-out figures. The anchors of a row depend on the row
     alone, and the loss divides by the step's slot weight over both processes."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from conftest import save_tiny_world
-    from test_train import _cfg, _env, _logged_losses, _recipe, _weights
-
-    from specdec.train import distill
+    from test_train import two_processes_train_as_one
 
     ws = save_tiny_world(tmp_path / "ws", target_layers=2, small_seed=7, n_train=24, n_heldout=6)
     train = dict(draft="dflash", dflash_layer_ids=[1], dflash_layers=1, block_size=4, num_anchors=5,
                  draft_vocab_size=40, teacher="online", states="online", max_steps=3, eval_every=0, save_every=0,
                  learning_rate=1e-2, max_grad_norm=0.5, mixed_precision="no")
-    recipe = _recipe(ws, tmp_path / "two.yaml", tmp_path / "two", **train)
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                           "-m", "specdec.train", "--config", str(recipe)],
-                          cwd=root, env=dict(_env(), CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    one = _cfg(ws, tmp_path / "one", per_device_batch_size=4, warmup_steps=1, eval_samples=4, eval_batch_size=2,
-               **train)
-    with caplog.at_level("INFO", logger="specdec.train.distill"):
-        distill.run(one)
-    two_losses, one_losses = _logged_losses(proc.stdout + proc.stderr), _logged_losses(caplog.text)
-    assert len(two_losses) == len(one_losses) == 3
-    assert two_losses == pytest.approx(one_losses, abs=2e-4)
-    two, single = _weights(tmp_path / "two" / "final"), _weights(tmp_path / "one" / "final")
-    assert two.keys() == single.keys()
-    for name in two:
-        torch.testing.assert_close(two[name], single[name], atol=2e-5, rtol=1e-4, msg=name)
-    evals = [[json.loads(line) for line in (tmp_path / run / "eval.jsonl").read_text().splitlines()]
-             for run in ("two", "one")]
+    _, evals = two_processes_train_as_one(ws, tmp_path, caplog, train)
     assert len(evals[0]) == len(evals[1]) >= 1
     for got, want in zip(*evals):
         assert got["positions"] == want["positions"] > 0 and got["tau"] == pytest.approx(want["tau"])

@@ -8,13 +8,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import ragged_prompts, tiny_llama
+from draft_checks import (
+    draft_ids,
+    fit,
+    greedy_outputs_equal_the_target,
+    replay_predicts_every_round,
+    run_logging_losses,
+)
 
 from specdec import speculative_generate, target_generate
 from specdec.eagle3 import Eagle3Draft, Eagle3Drafter, HiddenStateRecorder, default_layer_ids
 from specdec.eagle3.drafter import _HiddenWindow
 from specdec.eval import proposals
 from specdec.models import load_model
-from specdec.replay import replay_ranks, replay_runs, runs_from_ranks, target_states
+from specdec.replay import replay_ranks, runs_from_ranks, target_states
 
 VOCAB = 128
 EOS = 2
@@ -44,19 +51,16 @@ def fitted_draft(target, keep_ids=None, steps: int = 120, seed: int = 0) -> Eagl
     mask = torch.ones_like(seq)
     states = target_states(draft, target, seq, mask)
     labels = seq[:, 2:]  # draft position t proposes token t + 2
-    inv = torch.full((VOCAB,), -1, dtype=torch.long)
-    inv[draft.draft_to_target] = torch.arange(draft.config.draft_vocab_size)
-    opt = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=1e-2)
-    for _ in range(steps):
-        outs = draft(seq, states, attention_mask=mask, ttt_steps=3)
-        loss = 0.0
-        for j, out in enumerate(outs):
+    inv = draft_ids(draft, VOCAB)
+
+    def loss():
+        total = 0.0
+        for j, out in enumerate(draft(seq, states, attention_mask=mask, ttt_steps=3)):
             local, logits = inv[labels[:, j:]], draft.logits(out[:, j:-1])
-            loss = loss + F.cross_entropy(logits[local >= 0], local[local >= 0])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return draft.eval()
+            total = total + F.cross_entropy(logits[local >= 0], local[local >= 0])
+        return total
+
+    return fit(draft, loss, steps)
 
 
 @pytest.fixture(scope="module")
@@ -142,14 +146,7 @@ def test_the_vocabulary_map_is_the_engines_offset(target4):
 @pytest.mark.parametrize("which", ["random", "fitted"])
 def test_greedy_output_equals_the_target_alone(target4, random_draft, good_draft, which, batch, k):
     draft = random_draft if which == "random" else good_draft
-    for seed in range(3):
-        ids, mask = ragged_prompts(batch, VOCAB, seed=seed + 10 * k)
-        if batch == 1:
-            ids, mask = ids[:, mask[0].argmax():], None
-        ref = target_generate(target4, ids, mask, max_new_tokens=40, eos_token_id=EOS)
-        out = speculative_generate(target4, draft, ids, mask, num_draft_tokens=k, max_new_tokens=40, eos_token_id=EOS)
-        assert torch.equal(out.sequences, ref.sequences), f"seed {seed}"
-        assert not out.stats.fallback and out.stats.draft_forwards > 0
+    greedy_outputs_equal_the_target(target4, draft, batch, k, VOCAB, EOS)
 
 
 def test_a_draft_that_agrees_often_gets_long_runs_and_stays_exact(target4, good_draft):
@@ -238,19 +235,7 @@ def test_replayed_runs_match_the_decoders_rounds(target4, good_draft):
     accepted count of the real decoder."""
     prompts = FITTED_PROMPTS()[:1]
     k, new = 4, 56  # the draft was fitted on 40 tokens: the rest makes it miss too
-    out = speculative_generate(target4, good_draft, prompts, num_draft_tokens=k, max_new_tokens=new, trace=True)
-    seq = target_generate(target4, prompts, max_new_tokens=new).sequences
-    assert torch.equal(out.sequences, seq)
-    mask = torch.ones_like(seq)
-    loss_mask = torch.zeros_like(seq, dtype=torch.bool)
-    loss_mask[0, prompts.shape[1] - 1: seq.shape[1] - 1] = True
-    runs = replay_runs(good_draft, seq, mask, loss_mask, k, target_states(good_draft, target4, seq, mask))[0]
-    i, length = 1, prompts.shape[1] + 1  # the first round drafts completion token 1 (token 0 is the prefill's)
-    for r in out.trace:
-        k_round = max(1, min(k, prompts.shape[1] + new - length - 1))
-        assert int(r.num_accepted[0]) == min(runs[i], k_round), f"round at completion token {i}"
-        i += r.advanced
-        length += r.advanced
+    out, runs = replay_predicts_every_round(target4, good_draft, prompts, k, new)
     assert max(int(r.num_accepted[0]) for r in out.trace) >= 3 and min(runs) == 0
 
 
@@ -443,8 +428,6 @@ def test_a_batch_with_nothing_scored_still_gives_every_parameter_a_gradient(targ
 def test_the_trainer_distils_an_eagle3_draft_end_to_end(tmp_path, teacher, steps, pack):
     """draft=eagle3 through the real loop: reduced head, unrolled steps, held-out tau from the replay, best/ and
     final/ that load as EAGLE-3 drafts and decode exactly; the loss falls on one repeated batch."""
-    import logging
-
     from conftest import save_tiny_world
 
     from specdec.train import distill
@@ -455,20 +438,9 @@ def test_the_trainer_distils_an_eagle3_draft_end_to_end(tmp_path, teacher, steps
                               eagle_aux_layer_ids=LAYERS, draft_vocab_size=40, ttt_steps=steps, max_steps=12,
                               per_device_batch_size=24, warmup_steps=0, log_every=1, eval_every=6, save_every=6,
                               eval_samples=6, eval_batch_size=3, learning_rate=3e-3, pack=pack)
-    messages = []
-    handler = logging.Handler()
-    handler.emit = lambda record: messages.append(record.getMessage())
-    logger = logging.getLogger("specdec.train.distill")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        final = distill.run(cfg)
-    finally:
-        logger.removeHandler(handler)
-    history = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    final, history, loss = run_logging_losses(cfg, tmp_path / "run")
     assert [h["step"] for h in history] == [0, 6, 12]
     assert all(1.0 <= h["tau"]["4"] <= 5.0 and 0 <= h["agreement"] <= 1 for h in history)
-    loss = [float(m.split("loss ")[1].split()[0]) for m in messages if m.startswith("step ") and " loss " in m]
     assert len(loss) == 12 and loss[-1] < 0.8 * loss[0]
     draft = load_model(str(final), dtype="float32", device="cpu")
     assert isinstance(draft, Eagle3Draft) and draft.lm_head.out_features == 40 and draft.layer_ids == LAYERS

@@ -39,15 +39,8 @@ def world(tmp_path_factory):
     # Both drafts sit under a path containing "eagle3", which vLLM would otherwise take as the method of the plain
     # one too (eval/engine/vllm.py: _path_vllm_keeps_the_method_of).
     root = tmp_path_factory.mktemp("engine_eagle3")
-    torch.manual_seed(0)
-    target = load_model(EMBEDDED_TARGET, dtype="float32", device="cpu")
-    tok = load_tokenizer(EMBEDDED_TARGET)
-    prompts = [encode_prompt(tok, [{"role": "user", "content": text}]) for text in REQUESTS]
-    answers = [target_generate(target, torch.tensor([p]), max_new_tokens=NEW, eos_token_id=tok.eos_token_id)
-               .sequences[0].tolist() for p in prompts]
-    used = sorted({t for seq in answers for t in seq} | set(range(256)) | {tok.eos_token_id})
-    draft = fit_eagle3(target, answers, torch.tensor(used))
-    (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": text}) + "\n" for text in REQUESTS))
+    target, tok, prompts, answers = target_and_answers(root)
+    draft = fit_eagle3(target, answers, used_ids(answers, tok))
     save_model(draft, tok, root / "eagle3_trained")
     save_model(derive_draft(target, [0, 29]), tok, root / "plain_trained")
     for name in ("eagle3", "plain"):
@@ -56,9 +49,29 @@ def world(tmp_path_factory):
     return {"root": root, "target": target, "tok": tok, "prompts": prompts}
 
 
-def fit_eagle3(target, sequences: list[list[int]], keep: torch.Tensor, steps: int = 120) -> Eagle3Draft:
-    """An EAGLE-3 draft fitted (cross-entropy, three unrolled steps) to the target's greedy answers."""
-    draft = Eagle3Draft.from_target(target, None, keep_ids=keep, seed=0)
+def target_and_answers(root):
+    """The embedded target (float32, CPU), its tokenizer, the REQUESTS' prompts and the target's greedy answers to
+    them (prompt and answer); root/prompts.jsonl holds the requests for `specdec eval`."""
+    torch.manual_seed(0)
+    target = load_model(EMBEDDED_TARGET, dtype="float32", device="cpu")
+    tok = load_tokenizer(EMBEDDED_TARGET)
+    prompts = [encode_prompt(tok, [{"role": "user", "content": text}]) for text in REQUESTS]
+    answers = [target_generate(target, torch.tensor([p]), max_new_tokens=NEW, eos_token_id=tok.eos_token_id)
+               .sequences[0].tolist() for p in prompts]
+    (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": text}) + "\n" for text in REQUESTS))
+    return target, tok, prompts, answers
+
+
+def used_ids(answers: list[list[int]], tok) -> torch.Tensor:
+    """A draft vocabulary that holds every answer's tokens, the first 256 ids and EOS."""
+    return torch.tensor(sorted({t for seq in answers for t in seq} | set(range(256)) | {tok.eos_token_id}))
+
+
+def fit_eagle3(target, sequences: list[list[int]], keep: torch.Tensor, steps: int = 120,
+               ptd_token_id: int | None = None, ttt_steps: int = 3) -> Eagle3Draft:
+    """An EAGLE-3 draft fitted (cross-entropy over `ttt_steps` unrolled steps) to the target's greedy answers; with a
+    `ptd_token_id`, a P-EAGLE draft fitted with the parallel objective over `ttt_steps` proposals."""
+    draft = Eagle3Draft.from_target(target, None, keep_ids=keep, seed=0, ptd_token_id=ptd_token_id)
     inv = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
     inv[draft.draft_to_target] = torch.arange(len(keep))
     opt = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
@@ -71,7 +84,7 @@ def fit_eagle3(target, sequences: list[list[int]], keep: torch.Tensor, steps: in
     for _ in range(steps):
         for ids, mask, states in batches:
             loss = 0.0
-            for j, out in enumerate(draft(ids, states, attention_mask=mask, ttt_steps=3)):
+            for j, out in enumerate(draft(ids, states, attention_mask=mask, ttt_steps=ttt_steps)):
                 labels = inv[ids[:, 2 + j:]]
                 loss = loss + F.cross_entropy(draft.logits(out[:, j:-1])[labels >= 0], labels[labels >= 0])
             opt.zero_grad()
@@ -107,26 +120,33 @@ def specdec_counts(world, draft_dir) -> dict:
     return totals
 
 
-@pytest.mark.parametrize("kind, method", [("eagle3", "eagle3"), ("plain", "draft_model")])
-def test_published_drafts_in_vllm_are_exact_and_counted_as_specdec_counts(world, kind, method, tmp_path):
+def vllm_matches_specdec(world, draft_dir, out, vllm_method: str, mode: str) -> dict:
+    """`specdec eval engine=specdec,vllm` of the published draft at K: complete, served as `mode`, output
+    token-identical to vLLM target-only and to specdec's decoder, and vLLM's acceptance counters equal to
+    `specdec_counts`, which it returns."""
     from specdec.cli import main
 
-    out = tmp_path / "out"
-    code = main(["eval", "--target", EMBEDDED_TARGET, "--draft", str(world["root"] / kind), "--prompts",
+    code = main(["eval", "--target", EMBEDDED_TARGET, "--draft", str(draft_dir), "--prompts",
                  str(world["root"] / "prompts.jsonl"), "--out", str(out), "dtype=float32", "engine=specdec,vllm",
-                 "concurrency=1", f"vllm_method={method}", "--num-draft-tokens", str(K), "--max-new-tokens",
+                 "concurrency=1", f"vllm_method={vllm_method}", "--num-draft-tokens", str(K), "--max-new-tokens",
                  str(NEW), "cost_repeats=2", "warmup=0", "vllm_startup_timeout=900", "vllm_request_timeout=600",
                  FAST_SERVER])
     assert code == 0
     report = json.loads((out / "report.json").read_text())
     e = report["engine"]
-    assert e["complete"] and e["methods"] == [method]
+    assert e["complete"] and e["methods"] == [mode]
     assert report["equivalence"]["passed"] and e["equivalence"]["passed"]
     assert e["equivalence"]["vs_specdec"]["mismatches"] == 0 and e["equivalence"]["vs_specdec"]["checked"] == 4
-    phase = next(p for p in e["phases"] if p["mode"] == method)
-    ours = specdec_counts(world, world["root"] / kind)
+    phase = next(p for p in e["phases"] if p["mode"] == mode)
+    ours = specdec_counts(world, draft_dir)
     vllm_counts = {"rounds": phase["rounds"], "proposed": phase["proposed"], "accepted": phase["accepted"],
-            "per_position": phase["accepted_per_position"]}
+                   "per_position": phase["accepted_per_position"]}
     assert vllm_counts == ours, (vllm_counts, ours)
+    return ours
+
+
+@pytest.mark.parametrize("kind, method", [("eagle3", "eagle3"), ("plain", "draft_model")])
+def test_published_drafts_in_vllm_are_exact_and_counted_as_specdec_counts(world, kind, method, tmp_path):
+    ours = vllm_matches_specdec(world, world["root"] / kind, tmp_path / "out", method, method)
     if kind == "eagle3":
         assert ours["accepted"] > ours["rounds"]  # long runs: the counts compared are not trivially zero

@@ -9,13 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import ragged_prompts, tiny_llama
+from draft_checks import fit, greedy_outputs_equal_the_target, replay_predicts_every_round, run_logging_losses
 
 from specdec import SamplingConfig, draft_registry, speculative_generate, target_generate
 from specdec.eagle3 import Eagle3Draft
 from specdec.eval import verify as verify_cmd
 from specdec.models import load_model
 from specdec.proposal import Proposal
-from specdec.replay import replay_runs, target_states
+from specdec.replay import target_states
 
 VOCAB = 128
 EOS = 2
@@ -42,15 +43,13 @@ def fitted_draft(target, steps: int = 120, k: int = 4) -> Eagle3Draft:
     mask = torch.ones_like(seq)
     states = target_states(draft, target, seq, mask)
     labels = seq[:, 2:]  # draft position t proposes token t + 2
-    opt = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=1e-2)
-    for _ in range(steps):
+
+    def loss():
         outs = draft(seq, states, attention_mask=mask, ttt_steps=k)
-        loss = sum(F.cross_entropy(draft.logits(out[:, j:-1]).flatten(0, 1), labels[:, j:].flatten())
+        return sum(F.cross_entropy(draft.logits(out[:, j:-1]).flatten(0, 1), labels[:, j:].flatten())
                    for j, out in enumerate(outs))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return draft.eval()
+
+    return fit(draft, loss, steps)
 
 
 @pytest.fixture(scope="module")
@@ -94,14 +93,8 @@ def test_the_parallel_objective_equals_the_decoders_one_forward(target4, good_dr
 @pytest.mark.parametrize("which", ["random", "fitted"])
 def test_greedy_output_equals_the_target_alone(target4, random_draft, good_draft, which, batch, k):
     draft = random_draft if which == "random" else good_draft
-    for seed in range(3):
-        ids, mask = ragged_prompts(batch, VOCAB, seed=seed + 10 * k)
-        if batch == 1:
-            ids, mask = ids[:, mask[0].argmax():], None
-        ref = target_generate(target4, ids, mask, max_new_tokens=40, eos_token_id=EOS)
-        out = speculative_generate(target4, draft, ids, mask, num_draft_tokens=k, max_new_tokens=40, eos_token_id=EOS)
-        assert torch.equal(out.sequences, ref.sequences), f"seed {seed}"
-        assert not out.stats.fallback and out.stats.draft_forwards == out.stats.rounds  # one forward a round
+    outputs = greedy_outputs_equal_the_target(target4, draft, batch, k, VOCAB, EOS)
+    assert all(out.stats.draft_forwards == out.stats.rounds for out in outputs)  # one forward a round
 
 
 def test_a_fitted_draft_accepts_long_runs_and_the_replay_predicts_each_round(target4, good_draft):
@@ -109,19 +102,7 @@ def test_a_fitted_draft_accepts_long_runs_and_the_replay_predicts_each_round(tar
     every round's accepted count of the real decoder."""
     prompts = ragged_prompts(6, VOCAB, seed=21, min_len=6, max_len=6)[0][:1]
     k, new = 4, 48
-    out = speculative_generate(target4, good_draft, prompts, num_draft_tokens=k, max_new_tokens=new, trace=True)
-    seq = target_generate(target4, prompts, max_new_tokens=new).sequences
-    assert torch.equal(out.sequences, seq)
-    mask = torch.ones_like(seq)
-    loss_mask = torch.zeros_like(seq, dtype=torch.bool)
-    loss_mask[0, prompts.shape[1] - 1: seq.shape[1] - 1] = True
-    runs = replay_runs(good_draft, seq, mask, loss_mask, k, target_states(good_draft, target4, seq, mask))[0]
-    i, length = 1, prompts.shape[1] + 1
-    for r in out.trace:
-        k_round = max(1, min(k, prompts.shape[1] + new - length - 1))
-        assert int(r.num_accepted[0]) == min(runs[i], k_round), f"round at completion token {i}"
-        i += r.advanced
-        length += r.advanced
+    out, _ = replay_predicts_every_round(target4, good_draft, prompts, k, new)
     assert max(int(r.num_accepted[0]) for r in out.trace) >= 3
 
 
@@ -193,8 +174,6 @@ def test_the_trainer_distils_a_peagle_draft_end_to_end(tmp_path, teacher, pack):
     """draft=peagle through the real loop (reduced head, packing, the parallel objective over 3 proposals): the
     loss falls on one repeated batch, the held-out tau comes from the parallel replay, and final/ loads as a
     P-EAGLE draft with the configured mask token and decodes exactly."""
-    import logging
-
     from conftest import save_tiny_world
 
     from specdec.train import distill
@@ -205,20 +184,9 @@ def test_the_trainer_distils_a_peagle_draft_end_to_end(tmp_path, teacher, pack):
                               eagle_aux_layer_ids=LAYERS, draft_vocab_size=40, ttt_steps=3, ptd_token_id=PTD,
                               max_steps=12, per_device_batch_size=24, warmup_steps=0, log_every=1, eval_every=6,
                               save_every=6, eval_samples=6, eval_batch_size=3, learning_rate=3e-3, pack=pack)
-    messages = []
-    handler = logging.Handler()
-    handler.emit = lambda record: messages.append(record.getMessage())
-    logger = logging.getLogger("specdec.train.distill")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        final = distill.run(cfg)
-    finally:
-        logger.removeHandler(handler)
-    history = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    final, history, loss = run_logging_losses(cfg, tmp_path / "run")
     assert [h["step"] for h in history] == [0, 6, 12]
     assert all(1.0 <= h["tau"]["4"] <= 5.0 for h in history)
-    loss = [float(m.split("loss ")[1].split()[0]) for m in messages if m.startswith("step ") and " loss " in m]
     assert len(loss) == 12 and loss[-1] < 0.8 * loss[0]
     draft = load_model(str(final), dtype="float32", device="cpu")
     assert isinstance(draft, Eagle3Draft) and draft.parallel and draft.ptd_token_id == PTD
@@ -296,33 +264,12 @@ def test_speculators_peagle_class_loads_the_export_and_computes_specdecs_logits(
 def test_peagle_in_two_processes_trains_exactly_as_one(tmp_path, caplog):
     """draft=peagle under `accelerate launch` with two gloo processes equals one process at the same global batch
     (float32, as tests/test_train.py proves for EAGLE-3): per-step losses and final weights, mask_hidden included."""
-    import subprocess
-    import sys
-
     from conftest import save_tiny_world
-    from test_train import ROOT, _cfg, _env, _logged_losses, _recipe, _weights
-
-    from specdec.train import distill
+    from test_train import two_processes_train_as_one
 
     workspace = save_tiny_world(tmp_path / "ws", target_layers=2, small_seed=7, n_train=24, n_heldout=6)
     train = dict(draft="peagle", eagle_aux_layer_ids=[1], draft_vocab_size=40, teacher="online", ttt_steps=3,
                  ptd_token_id=PTD, max_steps=3, eval_every=0, save_every=0, learning_rate=1e-2, max_grad_norm=0.5,
                  mixed_precision="no")
-    recipe = _recipe(workspace, tmp_path / "two.yaml", tmp_path / "two", **train)
-    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                           "-m", "specdec.train", "--config", str(recipe)],
-                          cwd=ROOT, env=dict(_env(), CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    one = _cfg(workspace, tmp_path / "one", per_device_batch_size=4, warmup_steps=1, eval_samples=4,
-               eval_batch_size=2, **train)
-    with caplog.at_level("INFO", logger="specdec.train.distill"):
-        distill.run(one)
-    two_losses, one_losses = _logged_losses(proc.stdout + proc.stderr), _logged_losses(caplog.text)
-    assert len(two_losses) == len(one_losses) == 3
-    assert two_losses == pytest.approx(one_losses, abs=2e-4)
-    two, single = _weights(tmp_path / "two" / "final"), _weights(tmp_path / "one" / "final")
-    assert two.keys() == single.keys() and "mask_hidden" in two
-    for name in two:
-        torch.testing.assert_close(two[name], single[name], atol=2e-5, rtol=1e-4, msg=name)
+    two, _ = two_processes_train_as_one(workspace, tmp_path, caplog, train)
+    assert "mask_hidden" in two

@@ -389,15 +389,10 @@ def _logged_losses(text: str) -> list[float]:
     return [float(line.split(" loss ")[1].split()[0]) for line in text.splitlines() if " loss " in line and "step " in line]
 
 
-def test_eagle3_in_two_processes_trains_exactly_as_one(workspace, tmp_path, caplog):
-    """draft=eagle3 under `accelerate launch` with two gloo processes equals one process at the same global batch:
-    per-step losses, final weights and the held-out figures (each process scores half, merged). Both run in
-    float32 (mixed_precision=no): the claim is equality up to the order of float32 sums (two processes each sum
-    half the batch, then all-reduce), and mixed_precision=auto would pick bf16 on a CPU with native bf16 in the
-    single process only (accelerate launch's flag reaches the two), adding bf16's rounding to one side."""
-    train = dict(draft="eagle3", eagle_aux_layer_ids=[1], draft_vocab_size=40, teacher="online", ttt_steps=2,
-                 max_steps=3, eval_every=0, save_every=0, learning_rate=1e-2, max_grad_norm=0.5,
-                 mixed_precision="no")
+def two_processes_train_as_one(workspace: Path, tmp_path: Path, caplog, train: dict):
+    """The `train` keys (3 steps, float32) under `accelerate launch` with two gloo processes (tmp_path/two) and in
+    one process at the same global batch (tmp_path/one): the same per-step losses and final weights. Returns (the
+    two-process run's final weights, both runs' eval.jsonl records)."""
     recipe = _recipe(workspace, tmp_path / "two.yaml", tmp_path / "two", **train)
     proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
@@ -418,6 +413,19 @@ def test_eagle3_in_two_processes_trains_exactly_as_one(workspace, tmp_path, capl
         torch.testing.assert_close(two[name], single[name], atol=2e-5, rtol=1e-4, msg=name)
     evals = [[json.loads(line) for line in (tmp_path / run / "eval.jsonl").read_text().splitlines()]
              for run in ("two", "one")]
+    return two, evals
+
+
+def test_eagle3_in_two_processes_trains_exactly_as_one(workspace, tmp_path, caplog):
+    """draft=eagle3 under `accelerate launch` with two gloo processes equals one process at the same global batch:
+    per-step losses, final weights and the held-out figures (each process scores half, merged). Both run in
+    float32 (mixed_precision=no): the claim is equality up to the order of float32 sums (two processes each sum
+    half the batch, then all-reduce), and mixed_precision=auto would pick bf16 on a CPU with native bf16 in the
+    single process only (accelerate launch's flag reaches the two), adding bf16's rounding to one side."""
+    train = dict(draft="eagle3", eagle_aux_layer_ids=[1], draft_vocab_size=40, teacher="online", ttt_steps=2,
+                 max_steps=3, eval_every=0, save_every=0, learning_rate=1e-2, max_grad_norm=0.5,
+                 mixed_precision="no")
+    _, evals = two_processes_train_as_one(workspace, tmp_path, caplog, train)
     for got, want in zip(*evals):
         assert got["positions"] == want["positions"] > 0 and got["tau"] == pytest.approx(want["tau"])
         assert got["agreement"] == pytest.approx(want["agreement"])

@@ -20,20 +20,15 @@ processes, and `counts` and `loss` draw the same ones.
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from specdec.compat import check_compatible
 from specdec.dflash import DFlashDraft
 from specdec.dflash.replay import block_ranks
 from specdec.train import losses
-from specdec.train.batches import place
-from specdec.train.draft import kept_vocab_size
-from specdec.train.eagle3_states import States, StatesReader
-from specdec.train.eagle3_train import loss_chunk_rows, merge_parts, read_ahead, teacher_head
+from specdec.train.eagle3_train import StatesTraining, kept_ids, loss_chunk_rows, merge_parts
 from specdec.train.heldout import evaluating
 
 
@@ -130,29 +125,17 @@ def dflash_loss(cfg, draft, batch: dict, states: torch.Tensor, target_head, inv_
     return total / denominator
 
 
-class DFlashTraining:
+class DFlashTraining(StatesTraining):
     """A DFlash draft for the trainer (train/distill.py): built here, its loss per micro-batch, its held-out
     figures (the block replay, specdec/dflash/replay.py)."""
 
     def __init__(self, cfg, target, tokenizer, vocabulary, device, autocast, folders):
         self.cfg, self.autocast = cfg, autocast
         opts = cfg.options  # train/kinds/dflash.py: DFlashOptions
-        vocab = target.get_input_embeddings().num_embeddings
-        size = kept_vocab_size(cfg, vocab)
-        keep = vocabulary(vocab, size) if size else None
         mask = opts.mask_token_id if opts.mask_token_id >= 0 else None
-        model = DFlashDraft.from_target(target, opts.dflash_layer_ids or None, keep, opts.dflash_layers, opts.block_size,
-                                        mask, cfg.seed)
-        model = model.float().to(device)
-        check_compatible(tokenizer, tokenizer, target, model)
-        self.teacher = teacher_head(target.get_output_embeddings(), model.kept_ids()) \
-            if cfg.teacher == "online" else None
-        self.inv_map = losses.target_to_draft_map(model.draft_to_target, target.get_output_embeddings().out_features)
-        width = (1 + len(model.layer_ids)) * model.config.target_hidden_size
-        reader = StatesReader(folders, model.layer_ids, width)
-        self.states = States(opts.states, target, autocast, reader, model.layer_ids)
-        self.prefetch = partial(read_ahead, self.states.source, reader)
-        self.model = model
+        model = DFlashDraft.from_target(target, opts.dflash_layer_ids or None, kept_ids(cfg, target, vocabulary),
+                                        opts.dflash_layers, opts.block_size, mask, cfg.seed)
+        self.take_draft(model, target, tokenizer, device, folders)
 
     def anchors(self, batch: dict) -> torch.Tensor:
         if "dflash_anchors" not in batch:  # drawn once: `counts` and `loss` see the same
@@ -169,9 +152,7 @@ class DFlashTraining:
         return weights[scored].sum()[None]
 
     def loss(self, model, batch: dict, micro: int, rank: int, prefetched, denominators=None) -> torch.Tensor:
-        states = self.states.complete(batch.get("unpacked", batch), prefetched)
-        if "segments" in batch:
-            states = place(states, batch)
+        states = self.batch_states(batch, prefetched)
         with self.autocast():
             return dflash_loss(self.cfg, model, batch, states, self.teacher, self.inv_map, self.anchors(batch),
                                None if denominators is None else denominators[0])

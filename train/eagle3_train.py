@@ -161,33 +161,54 @@ def merge_parts(parts: list[dict[str, list]], ks: Sequence[int]) -> dict[str, An
                            ranks, alpha_is_lower_bound=True)
 
 
-class Eagle3Training:
+class StatesTraining:
+    """What the trainings of the drafts that read the target's states share (EAGLE-3, P-EAGLE, DFlash: train/
+    dflash_train.py): the online teacher's head rows, the target-to-draft id map and the target's states per
+    batch, recorded or computed (train/eagle3_states.py). A subclass sets `cfg` and `autocast` first."""
+
+    def take_draft(self, model, target, tokenizer, device, folders) -> None:
+        """Train `model` (float32 on `device`) against `target`, its states read from `folders` or computed."""
+        model = model.float().to(device)
+        check_compatible(tokenizer, tokenizer, target, model)
+        self.teacher = teacher_head(target.get_output_embeddings(), model.kept_ids()) \
+            if self.cfg.teacher == "online" else None
+        self.inv_map = losses.target_to_draft_map(model.draft_to_target, target.get_output_embeddings().out_features)
+        width = (1 + len(model.layer_ids)) * model.config.target_hidden_size
+        reader = StatesReader(folders, model.layer_ids, width)
+        self.states = States(self.cfg.options.states, target, self.autocast, reader, model.layer_ids)
+        self.prefetch = partial(read_ahead, self.states.source, reader)
+        self.model = model
+
+    def batch_states(self, batch: dict, prefetched) -> torch.Tensor:
+        """The target's states of a micro-batch, completed from what the loader read ahead."""
+        states = self.states.complete(batch.get("unpacked", batch), prefetched)
+        if "segments" in batch:  # packed: each sample's states at its place in the packed rows
+            states = place(states, batch)
+        return states
+
+
+def kept_ids(cfg, target, vocabulary) -> torch.Tensor | None:
+    """The target ids the draft's head keeps (None: all of them), from the run's draft_vocab_size."""
+    vocab = target.get_input_embeddings().num_embeddings
+    size = kept_vocab_size(cfg, vocab)
+    return vocabulary(vocab, size) if size else None
+
+
+class Eagle3Training(StatesTraining):
     """An EAGLE-3 draft for the trainer (train/distill.py): built here, its loss per micro-batch, its held-out
     figures; the target's states are read per batch from the data stage's recording or computed per batch
     (train/eagle3_states.py)."""
 
     def __init__(self, cfg, target, tokenizer, vocabulary, device, autocast, folders):
         self.cfg, self.autocast = cfg, autocast
-        vocab = target.get_input_embeddings().num_embeddings
-        size = kept_vocab_size(cfg, vocab)
-        keep = vocabulary(vocab, size) if size else None
         opts = cfg.options  # train/kinds/eagle3.py: Eagle3Options
-        model = Eagle3Draft.from_target(target, opts.eagle_aux_layer_ids or None, keep, cfg.seed,
-                                        layer_init=opts.layer_init, fc_init=opts.fc_init,
+        model = Eagle3Draft.from_target(target, opts.eagle_aux_layer_ids or None, kept_ids(cfg, target, vocabulary),
+                                        cfg.seed, layer_init=opts.layer_init, fc_init=opts.fc_init,
                                         norm_before_residual=opts.norm_before_residual,
                                         **self.draft_extras(opts, target, tokenizer))
-        model = model.float().to(device)
-        check_compatible(tokenizer, tokenizer, target, model)
         if cfg.freeze_head:
             model.lm_head.requires_grad_(False)
-        self.teacher = teacher_head(target.get_output_embeddings(), model.kept_ids()) \
-            if cfg.teacher == "online" else None
-        self.inv_map = losses.target_to_draft_map(model.draft_to_target, target.get_output_embeddings().out_features)
-        width = (1 + len(model.layer_ids)) * model.config.target_hidden_size
-        reader = StatesReader(folders, model.layer_ids, width)
-        self.states = States(opts.states, target, autocast, reader, model.layer_ids)
-        self.prefetch = partial(read_ahead, self.states.source, reader)
-        self.model = model
+        self.take_draft(model, target, tokenizer, device, folders)
 
     def draft_extras(self, opts, target, tokenizer) -> dict:
         """Further `Eagle3Draft.from_target` arguments of a variant (P-EAGLE's mask token)."""
@@ -199,9 +220,7 @@ class Eagle3Training:
         return masks.flatten(1).sum(1)
 
     def loss(self, model, batch: dict, micro: int, rank: int, prefetched, denominators=None) -> torch.Tensor:
-        states = self.states.complete(batch.get("unpacked", batch), prefetched)
-        if "segments" in batch:  # packed: each sample's states at its place in the packed rows
-            states = place(states, batch)
+        states = self.batch_states(batch, prefetched)
         with self.autocast():  # the head and the teacher's too, in bf16 where the run's mixed precision says so
             return eagle3_loss(self.cfg, model, batch, states, self.teacher, self.inv_map, denominators)
 

@@ -35,6 +35,14 @@ from transformers.models.qwen3.modeling_qwen3 import (
 
 from specdec.dflash import formats
 from specdec.eagle3.model import check_layer_ids, positions_in_documents
+from specdec.hidden_state_draft import (
+    EMBEDDINGS,
+    HEAD,
+    HiddenStateDraft,
+    mark_target,
+    target_text,
+    text_config_kwargs,
+)
 
 ContextKV = list[tuple[torch.Tensor, torch.Tensor]]  # per draft layer: keys, values [B, kv_heads, n, head_dim]
 
@@ -53,25 +61,11 @@ def default_layer_ids(num_layers: int, count: int = 5) -> list[int]:
 def draft_config(target_config, layer_ids: list[int], draft_vocab_size: int, num_layers: int, block_size: int,
                  mask_token_id: int) -> Qwen3Config:
     """The draft's Qwen3 config from the target's widths, with the keys vLLM's DFlash loader reads."""
-    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-    hidden, heads = text.hidden_size, text.num_attention_heads
-    rope = getattr(text, "rope_parameters", None) or {"rope_type": "default",
-                                                       "rope_theta": getattr(text, "rope_theta", 10000.0)}
-    config = Qwen3Config(
-        vocab_size=text.vocab_size, hidden_size=hidden, intermediate_size=text.intermediate_size,
-        num_hidden_layers=int(num_layers), num_attention_heads=heads,
-        num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
-        head_dim=getattr(text, "head_dim", None) or hidden // heads, hidden_act=text.hidden_act,
-        max_position_embeddings=text.max_position_embeddings, rms_norm_eps=text.rms_norm_eps,
-        rope_parameters=dict(rope), attention_bias=False, tie_word_embeddings=False, use_sliding_window=False,
-        bos_token_id=getattr(text, "bos_token_id", None), eos_token_id=getattr(text, "eos_token_id", None),
-        pad_token_id=getattr(text, "pad_token_id", None),
-    )
-    config.architectures = [formats.ARCHITECTURE]
-    config.draft_vocab_size = int(draft_vocab_size)
-    config.target_hidden_size = hidden
+    text = target_text(target_config)
+    config = Qwen3Config(**text_config_kwargs(target_config), num_hidden_layers=int(num_layers),
+                         use_sliding_window=False)
+    mark_target(config, target_config, formats.ARCHITECTURE, draft_vocab_size)
     config.num_target_layers = text.num_hidden_layers
-    config.target_architectures = list(getattr(target_config, "architectures", None) or ["LlamaForCausalLM"])
     config.block_size = int(block_size)
     config.dflash_layer_ids = list(layer_ids)  # specdec's numbering (after i layers); formats.py converts
     config.mask_token_id = int(mask_token_id)
@@ -126,8 +120,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
-class DFlashDraft(nn.Module):
+class DFlashDraft(HiddenStateDraft):
     """A DFlash draft over a target (see the module docstring); `draft_to_target` maps its logits to target ids."""
+
+    label = "DFlash"
+    retrain = ("a DFlash draft serves only the target it was trained for: pass that target, or train a DFlash "
+               "draft for this one (draft: dflash in a recipe)")
+    target_parts = (EMBEDDINGS, HEAD)  # vLLM's DFlash loader takes both from the target when a checkpoint has none
+    formats = formats
 
     def __init__(self, config: Qwen3Config):
         super().__init__()
@@ -143,41 +143,7 @@ class DFlashDraft(nn.Module):
         self.norm = Qwen3RMSNorm(hidden, config.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
-        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
-        self.register_buffer("draft_to_target", torch.arange(config.draft_vocab_size), persistent=False)
-
-    # ---- the parts of the causal-LM interface that the decoder, trainer and loaders use
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.embed_tokens
-
-    def get_output_embeddings(self) -> nn.Linear:
-        return self.lm_head
-
-    @property
-    def device(self) -> torch.device:
-        return self.fc.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
-
-    def set_vocabulary(self, keep_ids: torch.Tensor | None) -> None:
-        """Draft ids = the kept target ids in ascending order (None: all); d2t holds the offsets vLLM adds."""
-        vocab, rows = self.config.vocab_size, self.config.draft_vocab_size
-        keep = torch.arange(vocab) if keep_ids is None else torch.as_tensor(keep_ids).long().sort().values.cpu()
-        if keep.numel() != rows or (keep.numel() and (int(keep[0]) < 0 or int(keep[-1]) >= vocab)) \
-                or torch.unique(keep).numel() != keep.numel():
-            raise ValueError(f"the draft vocabulary must be {rows} distinct ids in [0, {vocab}), got {keep.numel()}")
-        device = self.d2t.device
-        self.d2t.copy_((keep - torch.arange(rows)).to(device))
-        self.t2d.zero_()
-        self.t2d[keep.to(device)] = True
-        self.draft_to_target = keep.to(device)
-
-    def kept_ids(self) -> torch.Tensor:
-        """The target ids of the draft's logits (ascending), from d2t.  [draft_vocab]"""
-        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+        self.register_vocabulary(config)
 
     # ---- the computation
     def context(self, states: torch.Tensor, positions: torch.Tensor) -> ContextKV:
@@ -238,83 +204,14 @@ class DFlashDraft(nn.Module):
         rows = vocab if keep_ids is None else int(keep_ids.numel())
         config = draft_config(target.config, ids, rows, num_layers, block_size, mask)
         config.vocab_size = vocab
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            draft = cls(config)
-            draft.apply(_init_weights)
-        draft.set_vocabulary(keep_ids)
-        param = next(target.parameters())
-        draft = draft.to(device=param.device, dtype=param.dtype)
-        with torch.no_grad():
-            draft.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
-            draft.norm.weight.copy_(target.get_decoder().norm.weight)
-            head = target.get_output_embeddings().weight
-            draft.lm_head.weight.copy_(head[draft.kept_ids().to(head.device)])
-        draft.embed_tokens.weight.requires_grad_(False)
+        draft = cls.seeded(config, seed).take_target_parts(target, keep_ids)
         draft.lm_head.weight.requires_grad_(False)
         return draft
-
-    def weights(self, state_dict: dict | None = None) -> dict[str, torch.Tensor]:
-        """The weights under vLLM's names (no rotary buffers; the head only when the vocabulary is reduced)."""
-        state = self.state_dict() if state_dict is None else state_dict
-        return {k: v.detach().cpu().contiguous() for k, v in state.items() if not k.startswith("rotary_emb.")}
 
     def save_pretrained(self, out_dir: str | Path, state_dict: dict | None = None, format: str = "",
                         speculators: dict | None = None, **_ignored) -> None:
         formats.write(out_dir, self.config, self.weights(state_dict), self.dtype, format or formats.FORMATS[0],
                       speculators)
-
-    @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> DFlashDraft:
-        """Load either layout; a checkpoint without embeddings or head takes the target's (`adopt_target`)."""
-        draft = cls(formats.read_config(path)).to(dtype)
-        state = formats.read_state(path)
-        draft.needs_target = [k for k in ("embed_tokens.weight", "lm_head.weight") if k not in state]
-        for key in draft.needs_target:
-            state[key] = torch.full_like(draft.state_dict()[key], float("nan"))
-        try:
-            missing, unexpected = draft.load_state_dict(state, strict=False)
-        except RuntimeError as err:
-            first = next((line.strip() for line in str(err).splitlines() if "size mismatch" in line), str(err))
-            raise ValueError(f"{path}/{formats.WEIGHTS_FILE} does not match its config.json ({first}); re-export "
-                             f"the draft (specdec publish)") from None
-        missing = [m for m in missing if not m.startswith("rotary_emb.") and m not in ("d2t", "t2d")]
-        if missing or unexpected:
-            raise ValueError(f"{path}: DFlash weights do not match its config (missing {missing}, "
-                             f"unexpected {unexpected})")
-        draft.draft_to_target = draft.kept_ids()
-        draft.embed_tokens.weight.requires_grad_(False)
-        return draft.eval()
-
-    def check_target(self, target: nn.Module, name: str = "this DFlash draft", target_name: str = "the target") -> None:
-        """ValueError (both sizes and the fix) when `target` is not one this draft can read."""
-        kind = (getattr(target.config, "architectures", None) or [type(target).__name__])[0]
-        fix = ("a DFlash draft serves only the target it was trained for: pass that target, or train a DFlash "
-               "draft for this one (draft: dflash in a recipe)")
-        rows = target.get_input_embeddings().num_embeddings
-        if rows != self.config.vocab_size:
-            raise ValueError(f"vocabulary mismatch: {name} (DFlash) embeds {self.config.vocab_size:,} token ids "
-                             f"(config.json vocab_size) but {target_name} ({kind}) has {rows:,}; {fix}")
-        width = target.config.get_text_config().hidden_size
-        if width != self.config.target_hidden_size:
-            raise ValueError(f"{name} (DFlash) reads hidden states {self.config.target_hidden_size:,} wide "
-                             f"(config.json target_hidden_size) but {target_name} ({kind}) has {width:,}; {fix}")
-        layers = len(target.get_decoder().layers)
-        if max(self.layer_ids) >= layers:
-            raise ValueError(f"{name} (DFlash) reads the states after layers {self.layer_ids} but {target_name} "
-                             f"({kind}) has {layers} layers; {fix}")
-
-    def adopt_target(self, target: nn.Module) -> None:
-        """Share the target's embeddings (and head rows) when this draft's checkpoint stored none, as vLLM does."""
-        if getattr(self, "needs_target", None):
-            self.check_target(target)
-            with torch.no_grad():
-                if "embed_tokens.weight" in self.needs_target:
-                    self.embed_tokens.weight = target.get_input_embeddings().weight
-                if "lm_head.weight" in self.needs_target:
-                    head = target.get_output_embeddings().weight
-                    self.lm_head.weight.copy_(head[self.kept_ids().to(head.device)])
-            self.needs_target = []
 
 
 def anchored_mask(anchors: torch.Tensor, docs: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -333,9 +230,3 @@ def anchored_mask(anchors: torch.Tensor, docs: torch.Tensor, attention_mask: tor
     block_of = torch.arange(a * block_size, device=docs.device) // block_size
     own = (block_of[:, None] == block_of[None, :])[None].expand(b, -1, -1)
     return torch.cat([context, own], dim=2)[:, None]
-
-
-def _init_weights(module: nn.Module) -> None:
-    # Llama's and Qwen3's initialisation (normal, std 0.02); norms start at one.
-    if isinstance(module, (nn.Linear, nn.Embedding)):
-        nn.init.normal_(module.weight, std=0.02)

@@ -5,14 +5,11 @@ forward (vLLM's `parallel_drafting`): everything else is EAGLE-3's."""
 
 from __future__ import annotations
 
-import torch
-
-from specdec.draft_kind import PublishContext
 from specdec.eagle3 import formats
 from specdec.eagle3.drafter import Eagle3Drafter
 from specdec.eagle3.model import Eagle3Draft
 from specdec.eagle3.replay import unrolled_ranks
-from specdec.eagle3.states import target_states
+from specdec.hidden_state_kind import HiddenStateKind
 
 NAME = "eagle3"  # `draft: eagle3` in a recipe
 # The reduced head an EAGLE-3 draft over a larger vocabulary keeps by default: EAGLE-3's, SpecForge's and
@@ -20,45 +17,19 @@ NAME = "eagle3"  # `draft: eagle3` in a recipe
 DEFAULT_VOCAB = 32_000
 
 
-class Eagle3Kind:
+class Eagle3Kind(HiddenStateKind):
     name = NAME
     vllm_method = "eagle3"
     sglang_algorithm = "EAGLE3"
     formats = formats.FORMATS
-    maps_vocabulary = True  # both engines read d2t
+    draft_class = Eagle3Draft
+    drafter_class = Eagle3Drafter
 
     def recognises(self, config: dict) -> bool:
         return formats.is_eagle3_config(config) and not formats.is_parallel_config(config)
 
     def owns(self, model) -> bool:
         return isinstance(model, Eagle3Draft) and not model.parallel
-
-    def needs_snapshot(self, config: dict) -> bool:
-        return True
-
-    def load(self, path: str, dtype: torch.dtype) -> Eagle3Draft:
-        return Eagle3Draft.from_pretrained(path, dtype)
-
-    def save(self, model: Eagle3Draft, out_dir, format: str = "", context: PublishContext | None = None,
-             state_dict: dict | None = None) -> None:
-        format = format or formats.FORMATS[0]
-        speculators = None
-        if format == "speculators" and context is not None:
-            speculators = {"verifier": context.verifier(), "num_draft_tokens": context.num_draft_tokens,
-                           "verifier_architectures": list(getattr(model.config, "target_architectures", None)
-                                                          or ["LlamaForCausalLM"])}
-        model.save_pretrained(out_dir, state_dict=state_dict, format=format, speculators=speculators)
-
-    def check_target(self, draft: Eagle3Draft, target, name: str, target_name: str) -> None:
-        draft.check_target(target, name, target_name)
-
-    def drafter(self, draft: Eagle3Draft, target, sampling) -> Eagle3Drafter:
-        draft.adopt_target(target)
-        return Eagle3Drafter(draft, target, sampling)
-
-    def target_states(self, draft: Eagle3Draft, target, input_ids, attention_mask) -> torch.Tensor:
-        draft.adopt_target(target)
-        return target_states(target, input_ids, attention_mask, draft.layer_ids)
 
     def replay_ranks(self, draft: Eagle3Draft, input_ids, attention_mask, loss_mask, steps: int, states):
         return unrolled_ranks(draft, input_ids, attention_mask, loss_mask, steps, states)

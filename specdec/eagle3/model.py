@@ -42,6 +42,7 @@ from transformers.models.llama.modeling_llama import (
 
 from specdec.eagle3 import formats
 from specdec.eagle3.attention import unrolled_attention
+from specdec.hidden_state_draft import HiddenStateDraft, mark_target, target_text, text_config_kwargs
 
 
 def default_layer_ids(num_layers: int) -> list[int]:
@@ -63,25 +64,9 @@ def check_layer_ids(layer_ids, num_layers: int) -> list[int]:
 
 def draft_config(target_config, layer_ids: list[int], draft_vocab_size: int) -> LlamaConfig:
     """The draft layer's Llama config from the target's (same widths), with the engines' EAGLE-3 keys."""
-    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-    hidden, heads = text.hidden_size, text.num_attention_heads
-    rope = getattr(text, "rope_parameters", None) or {"rope_type": "default",
-                                                       "rope_theta": getattr(text, "rope_theta", 10000.0)}
-    config = LlamaConfig(
-        vocab_size=text.vocab_size, hidden_size=hidden, intermediate_size=text.intermediate_size,
-        num_hidden_layers=1, num_attention_heads=heads,
-        num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
-        head_dim=getattr(text, "head_dim", None) or hidden // heads, hidden_act=text.hidden_act,
-        max_position_embeddings=text.max_position_embeddings, rms_norm_eps=text.rms_norm_eps,
-        rope_parameters=dict(rope), attention_bias=False, mlp_bias=False, tie_word_embeddings=False,
-        bos_token_id=getattr(text, "bos_token_id", None), eos_token_id=getattr(text, "eos_token_id", None),
-        pad_token_id=getattr(text, "pad_token_id", None),
-    )
-    config.architectures = [formats.ARCHITECTURE]
-    config.draft_vocab_size = int(draft_vocab_size)
-    config.target_hidden_size = hidden
-    config.target_num_hidden_layers = text.num_hidden_layers
-    config.target_architectures = list(getattr(target_config, "architectures", None) or ["LlamaForCausalLM"])
+    config = LlamaConfig(**text_config_kwargs(target_config), num_hidden_layers=1, mlp_bias=False)
+    mark_target(config, target_config, formats.ARCHITECTURE, draft_vocab_size)
+    config.target_num_hidden_layers = target_text(target_config).num_hidden_layers
     config.eagle_aux_hidden_state_layer_ids = list(layer_ids)
     # Written out, not left to defaults: vLLM's plain path defaults it to false, speculators' format to true.
     config.norm_before_residual = False
@@ -127,8 +112,13 @@ class Eagle3Layer(nn.Module):
         return self.mlp(self.post_attention_layernorm(r)) + r
 
 
-class Eagle3Draft(nn.Module):
+class Eagle3Draft(HiddenStateDraft):
     """An EAGLE-3 draft over a target (see the module docstring); `draft_to_target` maps its logits to target ids."""
+
+    label = "EAGLE-3"
+    retrain = ("an EAGLE-3 draft serves only the target it was trained for: pass that target, or train an EAGLE-3 "
+               "draft for this one (draft: eagle3 in a recipe)")
+    formats = formats
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -141,42 +131,12 @@ class Eagle3Draft(nn.Module):
         self.norm = LlamaRMSNorm(hidden, config.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(config)
-        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
-        self.register_buffer("draft_to_target", torch.arange(config.draft_vocab_size), persistent=False)
+        self.register_vocabulary(config)
         # P-EAGLE (parallel drafting): the learned stand-in for the target's states at a round's masked slots,
         # before fc (vLLM's `mask_hidden`, projected by fc as the target's states are)
         self.ptd_token_id = getattr(config, "ptd_token_id", None)
         if self.parallel:
             self.mask_hidden = nn.Parameter(torch.zeros(len(self.layer_ids) * config.target_hidden_size))
-
-    # ---- the parts of the causal-LM interface that the decoder, trainer and loaders use
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.embed_tokens
-
-    def get_output_embeddings(self) -> nn.Linear:
-        return self.lm_head
-
-    @property
-    def device(self) -> torch.device:
-        return self.fc.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
-
-    def set_vocabulary(self, keep_ids: torch.Tensor | None) -> None:
-        """Draft ids = the kept target ids in ascending order (None: all); d2t holds the offsets the engines add."""
-        vocab, rows = self.config.vocab_size, self.config.draft_vocab_size
-        keep = torch.arange(vocab) if keep_ids is None else torch.as_tensor(keep_ids).long().sort().values.cpu()
-        if keep.numel() != rows or (keep.numel() and (int(keep[0]) < 0 or int(keep[-1]) >= vocab)) \
-                or torch.unique(keep).numel() != keep.numel():
-            raise ValueError(f"the draft vocabulary must be {rows} distinct ids in [0, {vocab}), got {keep.numel()}")
-        device = self.d2t.device
-        self.d2t.copy_((keep - torch.arange(rows)).to(device))
-        self.t2d.zero_()
-        self.t2d[keep.to(device)] = True
-        self.draft_to_target = keep.to(device)
 
     @property
     def parallel(self) -> bool:
@@ -190,10 +150,6 @@ class Eagle3Draft(nn.Module):
         embeds = self.embed_tokens(torch.full_like(like, self.ptd_token_id))
         h = self.fc(self.mask_hidden.to(self.fc.weight.dtype))
         return embeds, h.expand(*like.shape, h.shape[-1])
-
-    def kept_ids(self) -> torch.Tensor:
-        """The target ids of the draft's logits (ascending), from d2t.  [draft_vocab]"""
-        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
 
     def _rotary(self, x: torch.Tensor, position_ids: torch.Tensor):
         return self.rotary_emb(x, position_ids)
@@ -312,89 +268,25 @@ class Eagle3Draft(nn.Module):
             if not 0 <= int(ptd_token_id) < vocab:
                 raise ValueError(f"ptd_token_id must be a token id in [0, {vocab}), got {ptd_token_id}")
             config.ptd_token_id, config.parallel_drafting = int(ptd_token_id), True
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            draft = cls(config)
-            draft.apply(_init_weights)
-            if draft.parallel:
-                nn.init.normal_(draft.mask_hidden, std=0.02)
-        draft.set_vocabulary(keep_ids)
-        param = next(target.parameters())
-        draft = draft.to(device=param.device, dtype=param.dtype)
+        draft = cls.seeded(config, seed).take_target_parts(target, keep_ids)
         with torch.no_grad():
-            draft.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
-            draft.norm.weight.copy_(target.get_decoder().norm.weight)
-            head = target.get_output_embeddings().weight
-            draft.lm_head.weight.copy_(head[draft.kept_ids().to(head.device)])
             if layer_init == "target":
                 _start_as_layer(draft.midlayer, target.get_decoder().layers[-1])
             if fc_init == "last_state":
                 _pass_last_state(draft.fc, config.target_hidden_size)
-        draft.embed_tokens.weight.requires_grad_(False)
         return draft
 
-    def state_for_engines(self) -> dict[str, torch.Tensor]:
-        """The weights under the engines' names (vLLM maps `midlayer.` to `layers.0.`; SGLang reads it as is)."""
-        return {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()
-                if not k.startswith("rotary_emb.")}
+    def init_new_weights(self) -> None:
+        super().init_new_weights()
+        if self.parallel:  # after the others: the seeded start P-EAGLE drafts have always had
+            nn.init.normal_(self.mask_hidden, std=0.02)
 
     def save_pretrained(self, out_dir: str | Path, state_dict: dict | None = None, format: str = "engines",
                         speculators: dict | None = None, **_ignored) -> None:
         """config.json + model.safetensors in one of `formats.FORMATS` (specdec/eagle3/formats.py); `state_dict` =
-        a gathered one (FSDP, DeepSpeed); `speculators` = the verifier for format="speculators"."""
-        state = self.state_for_engines() if state_dict is None else {
-            k: v.detach().cpu().contiguous() for k, v in state_dict.items() if not k.startswith("rotary_emb.")}
-        formats.write(out_dir, self.config, state, self.dtype, format, speculators)
-
-    @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> Eagle3Draft:
-        """Load either layout (engines' or speculators'). A checkpoint without embeddings (the engines share the
-        target's) takes the target's when it first meets it (`adopt_target`)."""
-        draft = cls(formats.read_config(path)).to(dtype)
-        state = formats.read_state(path)
-        draft.needs_target_embeddings = "embed_tokens.weight" not in state
-        if draft.needs_target_embeddings:
-            state["embed_tokens.weight"] = torch.full_like(draft.embed_tokens.weight, float("nan"))
-        try:
-            missing, unexpected = draft.load_state_dict(state, strict=False)
-        except RuntimeError as err:  # size mismatch: the config and the weights were written for different targets
-            first = next((line.strip() for line in str(err).splitlines() if "size mismatch" in line), str(err))
-            raise ValueError(f"{path}/{formats.WEIGHTS_FILE} does not match its config.json ({first}); re-export "
-                             f"the draft (specdec publish) or download it again") from None
-        missing = [m for m in missing if not m.startswith("rotary_emb.") and m not in ("d2t", "t2d")]
-        if missing or unexpected:
-            raise ValueError(f"{path}: EAGLE-3 weights do not match its config (missing {missing}, "
-                             f"unexpected {unexpected})")
-        draft.draft_to_target = draft.kept_ids()
-        draft.embed_tokens.weight.requires_grad_(False)
-        return draft.eval()
-
-    def check_target(self, target: nn.Module, name: str = "this EAGLE-3 draft", target_name: str = "the target") -> None:
-        """ValueError (both sizes and the fix) when `target` is not one this draft can read: it embeds tokens with
-        the target's own table and reads the target's hidden states, so vocabulary, width and layers must match."""
-        kind = (getattr(target.config, "architectures", None) or [type(target).__name__])[0]
-        rows = target.get_input_embeddings().num_embeddings
-        fix = ("an EAGLE-3 draft serves only the target it was trained for: pass that target, or train an EAGLE-3 "
-               "draft for this one (draft: eagle3 in a recipe)")
-        if rows != self.config.vocab_size:
-            raise ValueError(f"vocabulary mismatch: {name} (EAGLE-3) embeds {self.config.vocab_size:,} token ids "
-                             f"(config.json vocab_size) but {target_name} ({kind}) has {rows:,}; {fix}")
-        width = target.config.get_text_config().hidden_size
-        if width != self.config.target_hidden_size:
-            raise ValueError(f"{name} (EAGLE-3) reads hidden states {self.config.target_hidden_size:,} wide "
-                             f"(config.json target_hidden_size) but {target_name} ({kind}) has {width:,}; {fix}")
-        layers = len(target.get_decoder().layers)
-        if max(self.layer_ids) >= layers:
-            raise ValueError(f"{name} (EAGLE-3) reads the states after layers {self.layer_ids} but {target_name} "
-                             f"({kind}) has {layers} layers; {fix}")
-
-    def adopt_target(self, target: nn.Module) -> None:
-        """Share the target's input embeddings when this draft's checkpoint stored none (as the engines do)."""
-        if getattr(self, "needs_target_embeddings", False):
-            self.check_target(target)
-            weight = target.get_input_embeddings().weight
-            self.embed_tokens.weight = weight
-            self.needs_target_embeddings = False
+        a gathered one (FSDP, DeepSpeed); `speculators` = the verifier for format="speculators". The weights keep
+        the engines' names (vLLM maps `midlayer.` to `layers.0.`; SGLang reads them as they are)."""
+        formats.write(out_dir, self.config, self.weights(state_dict), self.dtype, format, speculators)
 
 
 def positions_in_documents(document_ids: torch.Tensor) -> torch.Tensor:
@@ -403,14 +295,6 @@ def positions_in_documents(document_ids: torch.Tensor) -> torch.Tensor:
     starts = torch.ones_like(document_ids, dtype=torch.bool)
     starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
     return index - torch.where(starts, index, 0).cummax(dim=1).values
-
-
-def _init_weights(module: nn.Module) -> None:
-    # Llama's initialisation (normal, std 0.02); norms start at one.
-    if isinstance(module, nn.Linear):
-        nn.init.normal_(module.weight, std=0.02)
-    elif isinstance(module, nn.Embedding):
-        nn.init.normal_(module.weight, std=0.02)
 
 
 def _start_as_layer(layer: Eagle3Layer, source: nn.Module) -> None:

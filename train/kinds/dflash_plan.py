@@ -9,7 +9,7 @@ from specdec.dflash import DFlashDraft, default_layer_ids, draft_config
 from specdec.dflash.replay import ANCHORS_PER_FORWARD
 from specdec.eagle3 import check_layer_ids
 from specdec.train.eagle3_train import LOSS_CHUNK_VALUES
-from specdec.train.kinds.eagle3_plan import _states_on_disk, states_online
+from specdec.train.kinds.eagle3_plan import states_online, teacher_and_states_terms
 from specdec.train.plan.activations import target_forward_bytes
 from specdec.train.plan.kind import KindPlan, PlanContext
 from specdec.train.plan.report import Term
@@ -36,16 +36,7 @@ def dflash_plan(ctx: PlanContext) -> KindPlan:
     plan.step = [Term("target states (input)", 4 * b * s * width, f"float32 [B, S, {width}]", fix),
                  Term("activations", acts, f"B={b}, S={s}, num_anchors={opts.num_anchors}, block_size="
                       f"{opts.block_size}, {opts.dflash_layers} layers, draft vocab {ctx.draft_vocab}", fix)]
-    if cfg.teacher == "online":
-        plan.resident.append(Term("online teacher head rows", ctx.tbytes * ctx.draft_vocab * tw.hidden,
-                                  f"[{ctx.draft_vocab}, {tw.hidden}] {str(ctx.target_dtype)[6:]}",
-                                  f"draft_vocab_size (now {ctx.draft_vocab})"))
-    if online:
-        plan.phases["target forward (online states)"] = [Term(
-            "target forward", target_forward_bytes(b, s, tw, ctx.tbytes, width) + b * s * width * (ctx.tbytes + 4),
-            f"{states_why}; without grad, its states cast to float32",
-            f"record the states in the data stage or lower per_device_batch_size (now {b}) / max_length (now {s})")]
-    _states_on_disk(ctx, plan, len(ids), online)
+    teacher_and_states_terms(ctx, plan, len(ids), online, states_why)
     return plan
 
 

@@ -43,6 +43,15 @@ def eagle3_plan(ctx: PlanContext) -> KindPlan:
     plan.step = [Term("target states (input)", 4 * b * s * width, f"float32 [B, S, {width}]", fix),
                  Term("activations", acts["peak"],
                       f"B={b}, S={s}, ttt_steps={opts.ttt_steps}, draft vocab {ctx.draft_vocab}", fix)]
+    teacher_and_states_terms(ctx, plan, aux, online, states_why)
+    return plan
+
+
+def teacher_and_states_terms(ctx: PlanContext, plan: KindPlan, aux: int, online: bool, states_why: str) -> None:
+    """The terms of every draft that reads the target's states (EAGLE-3, DFlash): the online teacher's head rows,
+    the online target forward that computes the states, and the recorded states' reads and disk."""
+    cfg, tw, b, s = ctx.cfg, ctx.tw, ctx.cfg.per_device_batch_size, ctx.cfg.max_length
+    width = (1 + aux) * tw.hidden
     if cfg.teacher == "online":
         plan.resident.append(Term("online teacher head rows", ctx.tbytes * ctx.draft_vocab * tw.hidden,
                                   f"[{ctx.draft_vocab}, {tw.hidden}] {str(ctx.target_dtype)[6:]}",
@@ -54,7 +63,6 @@ def eagle3_plan(ctx: PlanContext) -> KindPlan:
             "record the states in the data stage (record_features=true, then states=recorded) or lower "
             f"per_device_batch_size (now {b}) / max_length (now {s})")]
     _states_on_disk(ctx, plan, aux, online)
-    return plan
 
 
 def states_online(cfg) -> tuple[bool, str]:
