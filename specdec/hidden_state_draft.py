@@ -9,6 +9,7 @@ here keeps the engines' weight names, so the checkpoints are those each kind wro
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -47,6 +48,34 @@ def mark_target(config, target_config, architecture: str, draft_vocab_size: int)
     config.draft_vocab_size = int(draft_vocab_size)
     config.target_hidden_size = target_text(target_config).hidden_size
     config.target_architectures = list(getattr(target_config, "architectures", None) or ["LlamaForCausalLM"])
+
+
+FORMATS = ("engines", "speculators")  # the published layouts of a hidden-state draft, the default first
+WEIGHTS_FILE = "model.safetensors"
+
+
+def write_layout(out_dir: str | Path, format: str, speculators: dict | None, state: dict[str, torch.Tensor],
+                 full_vocab: bool, engines_config, speculators_layout) -> None:
+    """config.json + model.safetensors of a hidden-state draft in `format` (one of FORMATS): `engines_config()`
+    gives the engines' config; `speculators_layout(state, **speculators)` gives speculators' config and its state
+    (its weight names), whose vocabulary maps are dropped for a full vocabulary (speculators has none then)."""
+    from safetensors.torch import save_file
+
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if format == "speculators":
+        if speculators is None:
+            raise ValueError("format=speculators needs the verifier: speculators={verifier, "
+                             "verifier_architectures, num_draft_tokens}")
+        written, state = speculators_layout(state, **speculators)
+        if full_vocab:
+            state = {k: v for k, v in state.items() if k not in ("d2t", "t2d")}
+    else:
+        written = engines_config()
+    (out / "config.json").write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
+    save_file(state, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
 
 
 def init_weights(module: nn.Module) -> None:

@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 from transformers import Qwen3Config
 
+from specdec.hidden_state_draft import FORMATS, WEIGHTS_FILE, write_layout  # noqa: F401  (the formats: read by the kind)
+
 ARCHITECTURE = "DFlashDraftModel"  # vLLM's registry resolves it to qwen3_dflash's DFlashQwen3ForCausalLM
 SPECULATORS_ARCHITECTURE = "DFlashSpeculator"
-WEIGHTS_FILE = "model.safetensors"
-FORMATS = ("engines", "speculators")  # the published layouts, the default first
 SPECULATORS_VERSION = "0.9.0"
 _OWN_KEYS = ("architectures", "draft_vocab_size", "target_hidden_size", "num_target_layers", "target_architectures",
              "block_size", "dflash_layer_ids", "mask_token_id", "dflash_config")
@@ -79,23 +79,11 @@ def speculators_config(config: Qwen3Config, dtype: torch.dtype, verifier: str, v
 
 def write(out_dir: str | Path, config: Qwen3Config, state: dict[str, torch.Tensor], dtype: torch.dtype,
           format: str = "engines", speculators: dict | None = None) -> None:
-    from safetensors.torch import save_file
-
-    if format not in FORMATS:
-        raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if format == "speculators":
-        if speculators is None:
-            raise ValueError("format=speculators needs the verifier: speculators={verifier, "
-                             "verifier_architectures, num_draft_tokens}")
-        written = speculators_config(config, dtype, **speculators)
-        if config.draft_vocab_size == config.vocab_size:  # speculators has no map then
-            state = {k: v for k, v in state.items() if k not in ("d2t", "t2d")}
-    else:
-        written = engine_config(config)
-    (out / "config.json").write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
-    save_file(state, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    """config.json + model.safetensors of `state` in `format`; `speculators` = `speculators_config`'s verifier
+    arguments (format="speculators" only)."""
+    write_layout(out_dir, format, speculators, state, config.draft_vocab_size == config.vocab_size,
+                 lambda: engine_config(config),
+                 lambda state, **verifier: (speculators_config(config, dtype, **verifier), state))
 
 
 def read_config(path: str | Path) -> Qwen3Config:

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig
 
+from specdec.hidden_state_draft import FORMATS, WEIGHTS_FILE, write_layout  # noqa: F401  (the formats: read by the kind)
+
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # the name vLLM and SGLang both resolve to their EAGLE-3 Llama draft
-WEIGHTS_FILE = "model.safetensors"
-FORMATS = ("engines", "speculators")  # the published layouts, the default first
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose format `format="speculators"` writes
 # speculators' model types of this kind: a chain draft, and P-EAGLE (parallel drafting: its `mask_token_id` is the
 # engines' `ptd_token_id`, its `mask_hidden` the same weight)
@@ -103,26 +103,15 @@ def write(out_dir: str | Path, config: LlamaConfig, state: dict[str, torch.Tenso
           format: str = "engines", speculators: dict | None = None) -> None:
     """config.json + model.safetensors of `state` (the engines' weight names) in `format`; `speculators` =
     `speculators_config`'s verifier arguments (format="speculators" only)."""
-    from safetensors.torch import save_file
 
-    if format not in FORMATS:
-        raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if format == "speculators":
-        if speculators is None:
-            raise ValueError("format=speculators needs the verifier: speculators={verifier, "
-                             "verifier_architectures, num_draft_tokens}")
-        written = speculators_config(config, dtype, **speculators)
+    def speculators_layout(state: dict, **verifier) -> tuple[dict, dict]:
         state = {k.replace("midlayer.", "layers.0."): v for k, v in state.items()}
         if "mask_hidden" in state:  # speculators' parameter is [1, 1, W]
             state["mask_hidden"] = state["mask_hidden"].reshape(1, 1, -1)
-        if config.draft_vocab_size == config.vocab_size:  # speculators has no map then
-            state = {k: v for k, v in state.items() if k not in ("d2t", "t2d")}
-    else:
-        written = engine_config(config)
-    (out / "config.json").write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
-    save_file(state, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+        return speculators_config(config, dtype, **verifier), state
+
+    write_layout(out_dir, format, speculators, state, config.draft_vocab_size == config.vocab_size,
+                 lambda: engine_config(config), speculators_layout)
 
 
 def read_config(path: str | Path) -> LlamaConfig:
