@@ -252,7 +252,7 @@ def test_vllm_children_get_only_what_vllm_reads(tmp_path, monkeypatch):
     assert served["PYTHONUNBUFFERED"] == "1" and worker["SPECDEC_VLLM_PARENT"] == str(os.getpid())
 
 
-def test_vllm_server_answers_only_its_own_key(tmp_path):
+def test_each_server_gets_its_own_key_and_the_client_sends_it(tmp_path):
     """Each server gets a random key in its environment (not its command, log or report), and the client sends
     it as a bearer token (a stdlib server that checks it as `vllm serve --api-key` does, not vLLM)."""
     servers = [vllm.VllmServer(m, ["vllm", "serve", "m"], 1, tmp_path / f"{m}.log", {"HOME": "/h"}) for m in "ab"]
