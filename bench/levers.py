@@ -52,9 +52,11 @@ LEVERS: dict[str, dict] = {
     "ttt-1": {"ttt_steps": 1},
     "ttt-3": {"ttt_steps": 3},
     "ttt-5": {"ttt_steps": 5},
+    # the prompts' positions scored too, the teacher the target's distribution there (issue 40)
+    "supervise-prompt": {"supervise_prompt": True},
 }
 # Run only when named: the TTT table wants one wall-clock budget (--minutes), the second seed is a noise check.
-NAMED_ONLY = {"ttt-1", "ttt-3", "ttt-5", "layer-from-target-seed1"}
+NAMED_ONLY = {"ttt-1", "ttt-3", "ttt-5", "layer-from-target-seed1", "supervise-prompt"}
 DEFAULT_LEVERS = [name for name in LEVERS if name not in NAMED_ONLY]
 
 

@@ -100,12 +100,13 @@ def peer_ours(train: dict) -> dict:
 
 
 # ---- the data -----------------------------------------------------------------------------------------------
-def make_data(folder: Path, prompts: str, limit: int, max_new_tokens: int, layer_ids: list[int]) -> None:
+def make_data(folder: Path, prompts: str, limit: int, max_new_tokens: int, layer_ids: list[int],
+              target: str = TARGET) -> None:
     """`specdec data` with recorded states into `folder` (resumable: a complete folder is left as it is)."""
     manifest = folder / "manifest.json"
     if manifest.is_file() and json.loads(manifest.read_text()).get("complete"):
         return
-    args = [f"target={TARGET}", f"prompts={prompts}", f"limit={limit}", f"max_new_tokens={max_new_tokens}",
+    args = [f"target={target}", f"prompts={prompts}", f"limit={limit}", f"max_new_tokens={max_new_tokens}",
             "record_features=true", f"eagle_aux_layer_ids={json.dumps(layer_ids)}", "dtype=float32", "device=cpu",
             "top_logprobs=20", "batch_size=64", f"output_dir={folder}"]
     print(f"specdec data {' '.join(args)}", flush=True)
@@ -235,22 +236,29 @@ class PeerData:
         if not all(found):
             raise ValueError("the training folder has rows without recorded states: rerun its data stage")
         prompts = [int(p) for p in rows["prompt_length"]]
-        return peer_batch(batch, prompts, states, self.hidden), batch["n_tokens"]
+        return self.pack(batch, prompts, states), batch["n_tokens"]
+
+    def pack(self, batch: dict, prompts: list[int], states: torch.Tensor) -> dict:
+        """speculators' packed batch of a collated micro-batch (bench/peer_dflash.py packs DFlash's)."""
+        return peer_batch(batch, prompts, states, self.hidden)
 
 
-def train_peer(model, data: PeerData, settings: dict, steps: int, autocast=None, log_every: int = 20) -> dict:
-    """speculators' training step (its Trainer.train_epoch, on the CPU) `steps` times.  -> loop wall and CPU
-    seconds, scored tokens, the logged losses and its own full accuracies of the last step"""
+def train_peer(model, data: PeerData, settings: dict, steps: int, autocast=None, log_every: int = 20,
+               call_kwargs: dict | None = None) -> dict:
+    """speculators' training step (its Trainer.train_epoch, on the CPU) `steps` times; the model's forward takes
+    `call_kwargs` (default: EAGLE-3's ttt settings) and the loss.  -> loop wall and CPU seconds, scored tokens, the
+    logged losses and its own full accuracies of the last step"""
     from speculators.losses import resolve_loss_config
 
     loss_config = resolve_loss_config(settings["loss"], "eager")
+    if call_kwargs is None:
+        call_kwargs = {"ttt_steps": settings["ttt_steps"], "ttt_step_loss_decay": settings["ttt_decay"]}
     optimizers, schedulers = peer_optimizers(model, settings, steps)
     tokens, losses, start, cpu = 0, [], time.perf_counter(), time.process_time()
     for m in range(steps):
         batch, scored = data(m)
         with autocast() if autocast is not None else torch.autocast("cpu", enabled=False):
-            _, loss, metrics = model(**batch, ttt_steps=settings["ttt_steps"],
-                                     ttt_step_loss_decay=settings["ttt_decay"], loss_config=loss_config)
+            _, loss, metrics = model(**batch, **call_kwargs, loss_config=loss_config)
         for o in optimizers:
             o.zero_grad()
         loss.backward()
@@ -340,11 +348,12 @@ def child_specdec(spec: dict) -> dict:
             "losses": losses, "mixed_precision": summary["mixed_precision"]}
 
 
-def run_child(spec: dict, threads: int) -> dict:
-    """One trainer in its own process; its result and peak RSS (ru_maxrss of that process)."""
+def run_child(spec: dict, threads: int, script: Path | None = None) -> dict:
+    """One trainer in its own process (`script --child SPEC`, this one by default); its result and peak RSS
+    (ru_maxrss of that process)."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)], cwd=ROOT,
-                          env=env, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, str(script or Path(__file__).resolve()), "--child", json.dumps(spec)],
+                          cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{spec['run']} failed:\n{proc.stderr[-4000:]}")
     line = [x for x in proc.stdout.splitlines() if x.startswith("PEER_RESULT ")][-1]

@@ -41,6 +41,10 @@ class EvalConfig(*engines.option_classes()):
     temperature: float = 0.0
     top_k: int = 0  # sampling: the k most likely tokens only (0 = no limit), for target and draft alike
     top_p: float = 1.0  # sampling: the smallest set of tokens holding this probability (1 = no limit)
+    # > 0: after the timed runs, one untimed speculative pass at this temperature (alone: no top-k / top-p) over the
+    # same prompts, seeded, with the recommended proposal measures acceptance where sampled traffic is served
+    # (report.json's `sampled`; no speed gate reads it). 0 = off.
+    sampled_acceptance_temperature: float = 0.0
     seed: int = 0  # seeds the sampling (each batch's generator) and the equivalence check
     warmup: int = 1  # untimed passes over the first batch, per batch size
     out: str | None = None  # the report's folder (report.json, report.md, plots, samples.jsonl)
@@ -122,6 +126,9 @@ class EvalConfig(*engines.option_classes()):
         for name in ("max_new_tokens", "cost_repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.sampled_acceptance_temperature < 0:
+            raise ValueError(f"sampled_acceptance_temperature must be > 0 (the temperature to measure acceptance at) "
+                             f"or 0 (off), got {self.sampled_acceptance_temperature}")
         for name in ("warmup", "equivalence_samples"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

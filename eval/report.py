@@ -153,6 +153,24 @@ def _results_lines(r: dict) -> list[str]:
     ]
 
 
+def _sampled_lines(r: dict) -> list[str]:
+    """Acceptance measured at a sampling temperature beside the timed run (eval/sampled.py), when asked for."""
+    sampled = r.get("sampled")
+    if not sampled:
+        return []
+    t = sampled["temperature"]
+    return [
+        f"## Sampled at T={t:g}", "",
+        f"One more speculative pass, untimed, at temperature {t:g} alone (no top-k / top-p): "
+        f"{_proposal(sampled['tree'] or sampled['num_draft_tokens'])}, batch size {sampled['batch_size']}, the "
+        f"same {sampled['num_prompts']} prompts, seed {sampled['seed']}. Acceptance rate "
+        f"**{sampled['acceptance_rate']:.3f}**, mean accepted tokens (tau) {sampled['mean_accepted_tokens']:.3f} "
+        f"per round over {sampled['rounds']} rounds; per-position acceptance "
+        + position_rates(sampled["per_position_acceptance"])
+        + ". No speed or gate reads it: the verdict above is the timed run's.", "",
+    ]
+
+
 def _method_lines(r: dict) -> list[str]:
     """How the figures were measured, on what, and the plots."""
     lines = [
@@ -203,6 +221,7 @@ def to_markdown(r: dict) -> str:
         "",
         *_recommended_lines(r),
         *_results_lines(r),
+        *_sampled_lines(r),
         *_choose_k_lines(r.get("choose_k")),
         *_memory_lines(r["memory"], cfg["thresholds"]["max_memory_overhead"]),
         f"Harness: {r['harness']['decoder_s']:.2f} s inside the decoders of {r['harness']['loop_s']:.2f} s of "

@@ -27,6 +27,7 @@ from specdec.eval.engine import report as engine_report
 from specdec.eval.measure import measure
 from specdec.eval.result import assemble, write_samples
 from specdec.eval.rows import accounted, config_row, judge, recommend
+from specdec.eval.sampled import measure_sampled
 from specdec.eval.workload import Workload, load_workload
 from specdec.proposal import Proposal
 
@@ -64,6 +65,8 @@ def _run(cfg: EvalConfig) -> dict:
     result = assemble(cfg, w.prompts, rows, best, fastest, costs, w.device, timing)
     if chosen_k is not None:
         result["choose_k"] = chosen_k
+    if cfg.sampled_acceptance_temperature:  # acceptance where sampled traffic is served: untimed, no gate reads it
+        result["sampled"] = measure_sampled(cfg, w, best)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_samples(out_dir / "samples.jsonl", w.prompts, best)
     result["plots"] = plots.make_all(result, rows, best, out_dir, cfg.plot_format)

@@ -59,11 +59,17 @@ class DemoConfig:
     # draft was still improving when the budget ended, gets at least the rest less the evaluation.
     data_share: float = 1 / 3
     plan: bool = False  # print the recipe, the assets each stage reads and where it writes; run nothing
+    # After the greedy evaluation, acceptance measured at this temperature too (eval's sampled_acceptance_temperature:
+    # one untimed speculative pass, seeded, with the k or tree eval chose); 0 = greedy only.
+    sampled_temperature: float = 0.7
 
     def __post_init__(self) -> None:
         if self.minutes < 0 or not 0.0 < self.data_share <= 1.0:
             raise ValueError(f"minutes must be >= 0 (0 = the default budget) and data_share in (0, 1], got "
                              f"{self.minutes} and {self.data_share}")
+        if self.sampled_temperature < 0:
+            raise ValueError(f"sampled_temperature must be > 0 (the temperature acceptance is also measured at) or 0 "
+                             f"(greedy only), got {self.sampled_temperature}")
 
     def out_dir(self) -> Path:
         return Path(self.output_dir or ("outputs/demo-quick" if self.quick else "outputs/demo"))
@@ -111,7 +117,8 @@ def stage_configs(cfg: DemoConfig) -> Stages:
     evaluation = load_config(
         EvalConfig, recipe,
         [f"draft={final}", f"out={eval_dir}", f"prompts={cfg.eval_prompts}",
-         f"num_prompts={cfg.eval_num_prompts or (8 if cfg.quick else 24)}"],
+         f"num_prompts={cfg.eval_num_prompts or (8 if cfg.quick else 24)}",
+         f"sampled_acceptance_temperature={cfg.sampled_temperature}"],
         section="eval",
     )
     publish = load_config(
@@ -146,7 +153,8 @@ def run(cfg: DemoConfig) -> dict:
     with _stage("publish", 4, timings, "publish_s"):
         publish(dataclasses.replace(stages.publish, draft=str(draft)))
     out = cfg.out_dir()
-    (out / "demo_summary.json").write_text(json.dumps({"report": report, "timings": timings}, indent=2, default=str))
+    summary = {"acceptance": acceptance_summary(report), "report": report, "timings": timings}
+    (out / "demo_summary.json").write_text(json.dumps(summary, indent=2, default=str))
     _print_summary(report, Path(stages.eval.out), Path(stages.publish.out), timings)
     return report
 
@@ -211,7 +219,9 @@ def plan_lines(cfg: DemoConfig, stages: Stages) -> list[str]:
         f"[1/4] data        {loaded} prompts from {', '.join(read) or '-'}"
         + (f" + {', '.join(written)} (written by the target)" if written else "") + f" -> {data.output_dir}",
         f"[2/4] train       {stages.train.draft} draft, up to {stages.train.max_steps} steps -> {stages.train.output_dir}",
-        f"[3/4] eval        {len(evaluated)} prompts from {heldout} -> {stages.eval.out}",
+        f"[3/4] eval        {len(evaluated)} prompts from {heldout}"
+        + (f", acceptance also at T={stages.eval.sampled_acceptance_temperature:g}"
+           if stages.eval.sampled_acceptance_temperature else "") + f" -> {stages.eval.out}",
         f"[4/4] publish     -> {stages.publish.out}",
     ]
 
@@ -242,8 +252,9 @@ def estimate_eval_minutes(eval_cfg) -> float:
         seconds.append(time.perf_counter() - started)
     step_s = max(seconds[1] - seconds[0], 0.0) / 16
     timed_ks = 1 if eval_cfg.choose_k else len(eval_cfg.num_draft_tokens)
+    sampled = 1 if eval_cfg.sampled_acceptance_temperature else 0  # one untimed speculative pass, no baseline
     prompts = eval_cfg.num_prompts or 24
-    return prompts * eval_cfg.max_new_tokens * step_s * (1 + timed_ks + 0.5) / 60
+    return prompts * eval_cfg.max_new_tokens * step_s * (1 + timed_ks + sampled + 0.5) / 60
 
 
 def _choice_lines(report: dict) -> list[str]:
@@ -258,6 +269,25 @@ def _choice_lines(report: dict) -> list[str]:
             f"(fastest: {label(ck['fastest'])}, fails {failed})"]
 
 
+def acceptance_summary(report: dict) -> dict[str, dict]:
+    """The acceptance of the timed run (at its temperature, greedy for the demo) and of the sampled pass, if any."""
+    spec, config = report.get("speculative", {}), report.get("config", {})
+    out = {"timed": {"temperature": config.get("temperature"), "acceptance_rate": spec.get("acceptance_rate"),
+                     "mean_accepted_tokens": spec.get("mean_accepted_tokens")}}
+    sampled = report.get("sampled")
+    if sampled:
+        out["sampled"] = {key: sampled[key] for key in ("temperature", "acceptance_rate", "mean_accepted_tokens")}
+    return out
+
+
+def _sampled_lines(report: dict) -> list[str]:
+    sampled = report.get("sampled")
+    if not sampled:
+        return []
+    return [f"sampled T={sampled['temperature']:<5g} acceptance rate {sampled['acceptance_rate']:.3f}, mean accepted "
+            f"{sampled['mean_accepted_tokens']:.2f} tokens per round (untimed; same proposal and prompts)"]
+
+
 def _print_summary(report: dict, eval_dir: Path, draft_dir: Path, timings: dict[str, float]) -> None:
     spec = report.get("speculative", {})
     config = report.get("config", {})
@@ -270,8 +300,10 @@ def _print_summary(report: dict, eval_dir: Path, draft_dir: Path, timings: dict[
         (f"tree              {config['tree']} (depth {config.get('tree_depth')})" if config.get("tree")
          else f"k                 {config.get('num_draft_tokens')}"),
         *_choice_lines(report),
-        f"acceptance rate   {spec.get('acceptance_rate', float('nan')):.3f}",
+        f"acceptance rate   {spec.get('acceptance_rate', float('nan')):.3f}"
+        + (" (greedy)" if config.get("temperature") == 0 else f" (T={config.get('temperature')})"),
         f"mean accepted     {spec.get('mean_accepted_tokens', float('nan')):.2f} tokens per round",
+        *_sampled_lines(report),
         f"speedup           {report.get('speedup', float('nan')):.2f}x vs the target alone (same run, same prompts)",
         f"equivalence       {'passed' if report.get('equivalence', {}).get('passed') else 'FAILED'}",
         f"verdict           {decision.get('verdict')}",

@@ -306,3 +306,9 @@ def test_each_proposed_token_comes_with_its_own_slots_q(target4, good_draft, mon
         expected = probabilities(logits[:, 1 : q.shape[1] + 1], sampling)
         torch.testing.assert_close(q, expected.to(q.dtype))
         assert (q.gather(2, tokens[..., None]) > 0).all()
+
+
+def test_layer_ids_out_of_range_name_the_dflash_key():
+    """A DFlash draft's bad layer ids are named by the key a DFlash recipe sets, not EAGLE-3's."""
+    with pytest.raises(ValueError, match=r"dflash_layer_ids must be distinct ids in 1\.\.3"):
+        DFlashDraft.from_target(tiny_llama(seed=0, layers=4), [1, 9])

@@ -260,10 +260,8 @@ def test_parameter_counts_equal_the_built_draft():
     assert p.term("draft trainable weights").bytes == 4 * trainable
     assert p.term("draft frozen parts").bytes == 4 * draft.embed_tokens.weight.numel()
     assert p.term("AdamW state").bytes == 8 * trainable and p.term("gradients").bytes == 4 * trainable
-    from transformers import AutoModelForCausalLM
-
-    params = sum(x.numel() for x in AutoModelForCausalLM.from_config(target).parameters())
-    assert p.term("target weights").bytes == 4 * params  # float32 on a CPU
+    # states recorded: only the target's embedding, head and final norm, float32 on a CPU (tests/test_big_target.py)
+    assert p.term("target weights").bytes == 4 * (2 * 512 * 64 + 64)
     # recorded states: (1 + 3 layers) x hidden x 2 bytes (bf16) per token
     assert p.reads[0].bytes == 4 * 64 * 2
 

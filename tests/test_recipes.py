@@ -96,6 +96,8 @@ def test_recipe_smoke_runs_two_steps(path, tiny_world, tmp_path):
         tiny["eagle_aux_layer_ids"] = [1, 2]
     if cfg.draft == "dflash":
         cfg.options.dflash_layer_ids = [1, 2]
+    if getattr(cfg.options, "states", "") == "recorded":  # the tiny data records none (test_big_target.py does)
+        tiny["states"] = "auto"
     if cfg.draft_vocab_size > 0:
         tiny["draft_vocab_size"] = 32
     if cfg.lora:

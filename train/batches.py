@@ -115,14 +115,15 @@ class MicroBatches(torch.utils.data.Dataset):
     collate (and read recorded target states) ahead of the step while the order stays the schedule's."""
 
     def __init__(self, dataset, schedule: Schedule, rank: int, per_device: int, pad_id: int, max_length: int,
-                 read_ahead=None, packed: bool = False):
+                 read_ahead=None, packed: bool = False, prompt_positions: bool = False):
         self.dataset, self.schedule, self.rank, self.per_device = dataset, schedule, rank, per_device
         self.pad_id, self.max_length, self.read_ahead, self.packed = pad_id, max_length, read_ahead, packed
+        self.prompt_positions = prompt_positions
 
     def __getitem__(self, m: int):
         indices = self.schedule(m)[self.rank * self.per_device:(self.rank + 1) * self.per_device]
         rows = self.dataset[indices]
-        batch = collate(rows, self.pad_id, self.max_length)
+        batch = collate(rows, self.pad_id, self.max_length, self.prompt_positions)
         if self.packed:
             batch = pack(batch, self.max_length)
         ahead = self.read_ahead(rows, batch) if self.read_ahead is not None else None
@@ -150,8 +151,10 @@ def as_is(item):
     return item
 
 
-def collate(rows: dict, pad_id: int, max_length: int) -> dict[str, Any]:
-    """Right-padded tensors; `loss_mask[b, t]` marks logits positions t that predict a completion token."""
+def collate(rows: dict, pad_id: int, max_length: int, prompt_positions: bool = False) -> dict[str, Any]:
+    """Right-padded tensors; `loss_mask[b, t]` marks logits positions t that predict a completion token, and with
+    `prompt_positions` every position that predicts a token of the sample (its prompt's too: a teacher that reads
+    the target's distribution there, `supervise_prompt`)."""
     seqs = [list(ids)[:max_length] for ids in rows["input_ids"]]
     batch, width = len(seqs), max(len(s) for s in seqs)
     input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
@@ -173,7 +176,7 @@ def collate(rows: dict, pad_id: int, max_length: int) -> dict[str, Any]:
             if comp:
                 top_ids[b, prompt - 1: prompt - 1 + len(comp)] = torch.tensor(comp)
                 top_logprobs[b, prompt - 1: prompt - 1 + len(comp)] = torch.tensor(rows["top_logprobs"][b][: len(comp)])
-        loss_mask[b, prompt - 1: stop] = True
+        loss_mask[b, 0 if prompt_positions else prompt - 1: stop] = True
     labels = torch.roll(input_ids, -1, dims=1)  # labels[:, t] = input_ids[:, t + 1]
     out = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask, "labels": labels,
            "n_tokens": int(loss_mask.sum())}

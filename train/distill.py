@@ -38,7 +38,7 @@ from specdec.cli import command_help
 from specdec.config import config_from_cli, wants_help
 from specdec.models import load_model, load_tokenizer, resolve_mixed_precision
 from specdec.tokens import tokenizer_pad_id
-from specdec.train import checkpoints, kinds, optim, plan
+from specdec.train import checkpoints, kinds, optim, plan, target_parts
 from specdec.train import draft as draft_lib
 from specdec.train.batches import (
     CountFrom,
@@ -132,19 +132,40 @@ class Distiller:
         return torch.tensor(json.loads(path.read_text())["ids"], dtype=torch.long)
 
     def setup_models(self) -> None:
-        """The target (where the draft is built from it or the loop reads it) and the draft's kind."""
+        """The target (where the draft is built from it or the loop reads it: whole, or only the parts a run with
+        recorded states reads, train/target_parts.py) and the draft's kind."""
         cfg = self.cfg
-        target = None
-        if cfg.needs_target or cfg.draft in (DERIVED, SCRATCH):
-            target = load_model(cfg.target, dtype=cfg.dtype, device=self.device if cfg.needs_target else "cpu")
-            target.requires_grad_(False)
         train_paths, heldout_path = data_folders(cfg)
-        # the draft kind's training side (train/kinds/base.py: TrainingKind.start) builds the draft
-        self.kind = kinds.for_recipe(cfg.draft).start(cfg, target, self.tokenizer, self.draft_vocabulary, self.device,
-                                                      autocast=self.accelerator.autocast,
-                                                      folders=train_paths + ([heldout_path] if heldout_path else []))
+        folders = train_paths + ([heldout_path] if heldout_path else [])
+        parts_only = target_parts.loads_parts_only(cfg)
+        self.kind = self.start_kind(self.load_target(parts_only), folders)
+        if parts_only and target_parts.recordings_differ(cfg, folders, self.kind.model):
+            log.warning("states=auto: some data folder recorded other layers than the draft reads, so their states "
+                        "are computed online: loading the whole target")
+            self.kind = self.start_kind(self.load_target(False), folders)
         self.model = self.kind.model
         self.model.train()
+
+    def load_target(self, parts_only: bool):
+        """The frozen target: its parts alone, or whole (on the device where the loop reads it, else the CPU, to
+        build the draft from); None where neither needs it."""
+        cfg = self.cfg
+        if parts_only:
+            target = target_parts.load_target_parts(cfg.target, cfg.dtype, self.device,
+                                                    last_layer=target_parts.reads_last_layer(cfg))
+            log.info("target: only its embedding, final norm and head%s loaded (%s parameters): the states are "
+                     "recorded", " and last layer" if target_parts.reads_last_layer(cfg) else "",
+                     f"{target_parts.parameter_count(target):,}")
+            return target
+        if not (cfg.needs_target or cfg.draft in (DERIVED, SCRATCH)):
+            return None
+        target = load_model(cfg.target, dtype=cfg.dtype, device=self.device if cfg.needs_target else "cpu")
+        return target.requires_grad_(False)
+
+    def start_kind(self, target, folders):
+        """The draft kind's training side (train/kinds/base.py: TrainingKind.start), which builds the draft."""
+        return kinds.for_recipe(self.cfg.draft).start(self.cfg, target, self.tokenizer, self.draft_vocabulary,
+                                                      self.device, autocast=self.accelerator.autocast, folders=folders)
 
     def setup_optim(self) -> None:
         """The recipe's optimizer over the trainable parameters and its schedule (train/optim.py), prepared by
@@ -205,7 +226,7 @@ class Distiller:
         loader processes while the steps run."""
         cfg = self.cfg
         data = MicroBatches(self.train_ds, self.schedule, self.rank, cfg.per_device_batch_size, self.pad_id,
-                            cfg.max_length, self.kind.prefetch, cfg.pack)
+                            cfg.max_length, self.kind.prefetch, cfg.pack, cfg.supervise_prompt)
         workers = cfg.data_workers
         loader = torch.utils.data.DataLoader(data, batch_size=None, sampler=CountFrom(self.start_step * cfg.grad_accum_steps),
                                              collate_fn=as_is, num_workers=workers,

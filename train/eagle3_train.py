@@ -34,7 +34,7 @@ from specdec.train import losses
 from specdec.train.batches import place
 from specdec.train.draft import kept_vocab_size
 from specdec.train.eagle3_states import States, StatesReader
-from specdec.train.heldout import evaluating, heldout_figures, pooled
+from specdec.train.heldout import evaluating, heldout_figures, pooled, pooled_at, temperature_key
 
 log = logging.getLogger(__name__)
 
@@ -131,12 +131,14 @@ def eagle3_loss(cfg, draft, batch: dict, states: torch.Tensor, target_head, inv_
 
 
 @torch.no_grad()
-def evaluate_part(draft, states, chunks, ks: Sequence[int]) -> dict[str, list]:
+def evaluate_part(draft, states, chunks, ks: Sequence[int], temperatures: Sequence[float] = ()) -> dict[str, list]:
     """This process's share of the held-out figures: the ranks of the target's tokens among the draft's
     proposals, unrolled max(ks) deep exactly as the decoder proposes, and alpha per position (a lower bound from
-    the stored top-n). `chunks` yields (rows, collated batch); `states` is an `eagle3_states.States`."""
+    the stored top-n) at temperature 1 and at each of `temperatures` (`alphas_at`). `chunks` yields (rows,
+    collated batch); `states` is an `eagle3_states.States`."""
     hidden = draft.config.target_hidden_size
     ranks, alphas = [], []
+    alphas_at: dict[str, list] = {temperature_key(t): [] for t in temperatures}
     for rows, batch in chunks:
         full = states.complete(batch, states.read(rows, batch["input_ids"].shape[1]))[..., hidden:]
         ranks += unrolled_ranks(draft, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], max(ks), full)
@@ -146,10 +148,14 @@ def evaluate_part(draft, states, chunks, ks: Sequence[int]) -> dict[str, list]:
             prenorm, top_ids, top_lp = first[mask], batch["top_ids"][:, 1:][mask], batch["top_logprobs"][:, 1:][mask]
             chunk = loss_chunk_rows(draft.config.draft_vocab_size)  # [chunk, vocabulary] at a time
             for s in range(0, len(prenorm), chunk):
-                alphas += losses.acceptance_alpha_topn(draft.logits(prenorm[s:s + chunk]).float(),
-                                                       top_ids[s:s + chunk], top_lp[s:s + chunk], None,
-                                                       draft.draft_to_target).tolist()
-    return {"ranks": ranks, "alphas": alphas}
+                alpha_at = partial(losses.acceptance_alpha_topn, draft.logits(prenorm[s:s + chunk]).float(),
+                                   top_ids[s:s + chunk], top_lp[s:s + chunk], None, draft.draft_to_target,
+                                   target_vocab=draft.config.vocab_size)
+                at_one = alpha_at(temperature=1.0).tolist()
+                alphas += at_one
+                for t in temperatures:
+                    alphas_at[temperature_key(t)] += at_one if t == 1.0 else alpha_at(temperature=float(t)).tolist()
+    return {"ranks": ranks, "alphas": alphas, "alphas_at": alphas_at}
 
 
 def merge_parts(parts: list[dict[str, list]], ks: Sequence[int]) -> dict[str, Any]:
@@ -158,7 +164,7 @@ def merge_parts(parts: list[dict[str, list]], ks: Sequence[int]) -> dict[str, An
     ranks = pooled(parts, "ranks")
     runs = runs_from_ranks(ranks, [1] * max(ks))
     return heldout_figures(pooled(parts, "alphas"), [r >= 1 for row in runs for r in row], tau_from_runs(runs, ks),
-                           ranks, alpha_is_lower_bound=True)
+                           ranks, alpha_is_lower_bound=True, alphas_at=pooled_at(parts))
 
 
 class StatesTraining:
@@ -227,7 +233,7 @@ class Eagle3Training(StatesTraining):
     def evaluate(self, model, chunks, gather) -> dict[str, Any]:
         """Held-out figures over every process's `chunks`, merged through `gather` (accelerate's gather_object)."""
         with evaluating(getattr(model, "module", model)) as inner:
-            part = evaluate_part(inner, self.states, chunks, self.cfg.eval_k)
+            part = evaluate_part(inner, self.states, chunks, self.cfg.eval_k, self.cfg.heldout_temperatures)
         return merge_parts(gather([part]), self.cfg.eval_k)
 
 

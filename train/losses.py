@@ -236,9 +236,9 @@ def dense_teacher_logits(top_ids: torch.Tensor, top_logprobs: torch.Tensor, voca
 
 
 def _draft_probs_in_target_space(draft_logits: torch.Tensor, draft_to_target: torch.Tensor | None,
-                                 target_vocab: int) -> torch.Tensor:
-    """q over target ids (0 outside a reduced draft's kept ids).  [N, V_d] -> [N, V_target]"""
-    q = _log_probs(draft_logits).exp()
+                                 target_vocab: int, temperature: float = 1.0) -> torch.Tensor:
+    """q over target ids (0 outside a reduced draft's kept ids), at `temperature`.  [N, V_d] -> [N, V_target]"""
+    q = _log_probs(draft_logits, temperature).exp()
     if draft_to_target is None:
         width = min(q.shape[-1], target_vocab)
         out = torch.zeros(q.shape[0], target_vocab, dtype=q.dtype, device=q.device)
@@ -249,26 +249,55 @@ def _draft_probs_in_target_space(draft_logits: torch.Tensor, draft_to_target: to
     return out
 
 
-def acceptance_alpha(draft_logits, target_logits, mask=None, draft_to_target=None) -> torch.Tensor:
+def acceptance_alpha(draft_logits, target_logits, mask=None, draft_to_target=None,
+                     temperature: float = 1.0) -> torch.Tensor:
     """Expected acceptance alpha = sum_x min(p(x), q(x)) per selected position.  -> [N]
 
     p is the target's full softmax: mass on ids a reduced draft lacks can never be accepted, and counts so.
+    `temperature` divides both logits first, as the decoder's SamplingConfig warps p and q (no top-k / top-p).
     """
-    p = _log_probs(_select(target_logits, mask)).exp()
-    q = _draft_probs_in_target_space(_select(draft_logits, mask), draft_to_target, p.shape[-1])
+    p = _log_probs(_select(target_logits, mask), temperature).exp()
+    q = _draft_probs_in_target_space(_select(draft_logits, mask), draft_to_target, p.shape[-1], temperature)
     return torch.minimum(p, q).sum(dim=-1)
 
 
-def acceptance_alpha_topn(draft_logits, top_ids, top_logprobs, mask=None, draft_to_target=None) -> torch.Tensor:
+def _topn_at_temperature(p_top: torch.Tensor, temperature: float, target_vocab: int | None) -> torch.Tensor:
+    """A lower bound on the target's probabilities at `temperature` of its stored top-n (taken at temperature 1).
+    [N, n] -> [N, n]
+
+    p_T(x) = p(x)^(1/T) / Z_T with Z_T = sum over the whole vocabulary, of which only the top-n terms are known.
+    Z_T is bounded above from the unseen mass R = 1 - sum(top-n), every unseen p(y) being at most the smallest
+    stored p_min: for T <= 1, sum p(y)^(1/T) <= p_min^(1/T - 1) R; for T > 1 (a concave power), at most the
+    `target_vocab` - n unseen ids sharing R evenly, and at most each of them at p_min."""
+    if temperature == 1.0:
+        return p_top
+    powered = p_top.pow(1.0 / temperature)
+    unseen = (1.0 - p_top.sum(-1, keepdim=True)).clamp(min=0.0)
+    smallest = p_top.min(-1, keepdim=True).values
+    if temperature < 1.0:
+        rest = smallest.pow(1.0 / temperature - 1.0) * unseen
+    else:
+        if target_vocab is None:
+            raise ValueError("alpha from a stored top-n at a temperature above 1 needs the target's vocabulary size")
+        count = max(target_vocab - p_top.shape[-1], 0)
+        rest = torch.minimum(count ** (1.0 - 1.0 / temperature) * unseen.pow(1.0 / temperature),
+                             count * smallest.pow(1.0 / temperature))
+    return powered / (powered.sum(-1, keepdim=True) + rest).clamp(min=torch.finfo(powered.dtype).tiny)
+
+
+def acceptance_alpha_topn(draft_logits, top_ids, top_logprobs, mask=None, draft_to_target=None,
+                          temperature: float = 1.0, target_vocab: int | None = None) -> torch.Tensor:
     """alpha against stored top-n target log-probs (not renormalised): a lower bound.  -> [N]
 
     The target's mass outside its stored top-n is unknown and counted as not accepted. q is read at the top-n ids
-    only (0 where a reduced draft lacks the id): no [N, target vocabulary] tensor is made.
+    only (0 where a reduced draft lacks the id): no [N, target vocabulary] tensor is made. At a `temperature`
+    other than 1, q is the draft's softmax of logits / T and p a lower bound on the target's (`_topn_at_temperature`;
+    above 1 it needs `target_vocab`), so the figure stays a lower bound.
     """
     d = _select(draft_logits, mask)
     ids = _select(top_ids, mask).long()
-    p_top = _select(top_logprobs, mask).float().exp()
-    q = _log_probs(d).exp()  # [N, V_d]
+    p_top = _topn_at_temperature(_select(top_logprobs, mask).float().exp(), temperature, target_vocab)
+    q = _log_probs(d, temperature).exp()  # [N, V_d]
     if draft_to_target is None:
         local = ids
     else:

@@ -92,14 +92,34 @@ def traffic_facts(data_section: dict | None) -> dict[str, Any]:
 def _traffic_lines(info: CardInfo, report: dict | None) -> list[str]:
     """Which temperatures the draft was trained and measured at, and the chat-template options of its data."""
     trained = info.traffic.get("temperatures")
-    measured = _get(report, "config.temperature")
     trained_text = ", ".join(f"{t:g}" for t in trained) if trained else "not recorded"
     lines = [f"- temperature(s) of the training answers: {trained_text}; "
-             f"measured at: {_fmt(measured, 'g') if report else 'not measured'}"]
+             f"measured at: {_measured_temperatures(report)}"]
     if info.traffic.get("chat_template_kwargs"):
         options = ", ".join(f"{k}={v}" for k, v in info.traffic["chat_template_kwargs"].items())
         lines.append(f"- chat template options of the training prompts: {options} (serve with the same)")
     return lines
+
+
+def _measured_temperatures(report: dict | None) -> str:
+    """The temperatures the report measured at: its timed run's ("0 (greedy)") and its sampled pass's, if any."""
+    if not report:
+        return "not measured"
+    measured = _get(report, "config.temperature")
+    text = "0 (greedy)" if measured == 0 else _fmt(measured, "g")
+    sampled = _get(report, "sampled.temperature")
+    return text if sampled is None else f"{text} and {_fmt(sampled, 'g')} (acceptance only, untimed)"
+
+
+def _sampled_rows(report: dict) -> list[tuple[str, str]]:
+    """The results table's rows of the report's sampled pass (eval's sampled_acceptance_temperature), if any."""
+    sampled = _get(report, "sampled")
+    if not isinstance(sampled, dict):
+        return []
+    t = _fmt(sampled.get("temperature"), "g")
+    return [(f"acceptance rate sampled at T={t} (same proposal and prompts, untimed)",
+             _fmt(sampled.get("acceptance_rate"), ".3f")),
+            (f"mean accepted tokens per round sampled at T={t}", _fmt(sampled.get("mean_accepted_tokens"), ".2f"))]
 
 
 def metadata(info: CardInfo) -> dict[str, Any]:
@@ -139,6 +159,7 @@ def _results(report: dict | None) -> list[str]:
         ("acceptance rate (accepted / proposed draft tokens)", _fmt(_get(report, "speculative.acceptance_rate"), ".3f")),
         ("mean accepted tokens per round (incl. correction/bonus)",
          _fmt(_get(report, "speculative.mean_accepted_tokens"), ".2f")),
+        *_sampled_rows(report),
         ("speedup (baseline time / speculative time)", _fmt(_get(report, "speedup"), ".2f", "x")),
         *([("draft tree (specdec's decoder; engines run the draft as a chain of its depth)",
             f"{_get(report, 'config.tree')} (depth {_fmt(_get(report, 'config.num_draft_tokens'), 'd')})")]

@@ -24,7 +24,7 @@ from specdec.parallel_draft import CONFIG_KEY, layout_logits, parallel_ranks, sc
 from specdec.replay import runs_from_ranks, tau_from_runs
 from specdec.train import draft as draft_lib
 from specdec.train import losses
-from specdec.train.heldout import evaluating, heldout_figures, pooled
+from specdec.train.heldout import evaluating, heldout_figures, pooled, pooled_at
 from specdec.train.plain_train import PlainTraining, compute_loss, evaluate_part, teacher_logits
 
 
@@ -96,7 +96,8 @@ class ParallelTraining:
         chunks = list(chunks)
         steps = min(max(self.cfg.eval_k), self.copies)  # the depths it learnt; deeper rounds accept no more
         with evaluating(model):
-            part = evaluate_part(model, self.plain.target, chunks, self.plain.id_map)
+            part = evaluate_part(model, self.plain.target, chunks, self.plain.id_map,
+                                 self.cfg.heldout_temperatures, self.plain.target_vocab)
             part["ranks"] = [r for _rows, batch in chunks
                              for r in parallel_ranks(model, batch["input_ids"], batch["attention_mask"],
                                                      batch["loss_mask"], steps, self.mask_id,
@@ -106,4 +107,4 @@ class ParallelTraining:
         tau = tau_from_runs(runs_from_ranks(ranks, [1] * steps), self.cfg.eval_k)
         agreements = [x for row in pooled(parts, "agreements") for x in row]
         return heldout_figures(pooled(parts, "alphas"), agreements, tau, ranks,
-                               alpha_is_lower_bound=self.plain.target is None)
+                               alpha_is_lower_bound=self.plain.target is None, alphas_at=pooled_at(parts))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+from functools import partial
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ from specdec.replay import simulated_tau
 from specdec.tokens import tokenizer_pad_id
 from specdec.train import draft as draft_lib
 from specdec.train import losses
-from specdec.train.heldout import evaluating, heldout_figures, pooled
+from specdec.train.heldout import evaluating, heldout_figures, pooled, pooled_at, temperature_key
 from specdec.vocab import draft_to_target_map
 
 log = logging.getLogger(__name__)
@@ -117,18 +118,25 @@ def compute_loss(cfg, student_logits, teacher, batch: dict, inv_map) -> torch.Te
 # ---- held-out metrics ------------------------------------------------------------------------------------
 
 
+def _unknown_alpha(shape: torch.Size, temperature: float) -> torch.Tensor:
+    """No teacher distribution (offline data without a stored top-n): alpha unknown at every temperature."""
+    return torch.full(shape, float("nan"))
+
+
 @torch.no_grad()
-def evaluate_part(model, target, chunks, id_map) -> dict[str, list]:
-    """This process's share of the held-out figures, per position: alpha, greedy agreement and the rank of the
-    target's token among the draft's (teacher-forced). `chunks` yields (rows, collated batch); the caller puts
-    `model` in eval mode (`heldout.evaluating`)."""
+def evaluate_part(model, target, chunks, id_map, temperatures=(), target_vocab: int | None = None) -> dict[str, list]:
+    """This process's share of the held-out figures, per position: alpha (at temperature 1 and at each of
+    `temperatures`: `alphas_at`), greedy agreement and the rank of the target's token among the draft's
+    (teacher-forced). `chunks` yields (rows, collated batch); the caller puts `model` in eval mode
+    (`heldout.evaluating`). `target_vocab` bounds the unseen mass of a stored top-n above temperature 1."""
     alphas, agreements, ranks = [], [], []
+    alphas_at: dict[str, list] = {temperature_key(t): [] for t in temperatures}
     for _rows, batch in chunks:
         mask = batch["loss_mask"].bool()
         student = _forward(model, batch)[mask].float()  # [N, V_draft]
         if target is not None:
             t_logits = target_logits_at(target, batch).float()  # [N, V_target]
-            alpha = losses.acceptance_alpha(student, t_logits, None, id_map)
+            alpha_at = partial(losses.acceptance_alpha, student, t_logits, None, id_map)
             agree = losses.greedy_agreement(student, t_logits, None, id_map)
             target_top = t_logits.argmax(-1)
         else:
@@ -136,16 +144,19 @@ def evaluate_part(model, target, chunks, id_map) -> dict[str, list]:
             has_topn = "top_ids" in batch
             target_top = (batch["top_ids"][..., 0] if has_topn else batch["labels"])[mask]
             agree = losses.draft_argmax_in_target_ids(student, id_map) == target_top
-            alpha = (losses.acceptance_alpha_topn(student, batch["top_ids"][mask], batch["top_logprobs"][mask],
-                                                  None, id_map)
-                     if has_topn else torch.full(agree.shape, float("nan")))
+            alpha_at = (partial(losses.acceptance_alpha_topn, student, batch["top_ids"][mask],
+                                batch["top_logprobs"][mask], None, id_map, target_vocab=target_vocab)
+                        if has_topn else partial(_unknown_alpha, agree.shape))
         counts = mask.sum(-1).tolist()
-        alphas += alpha.cpu().tolist()
+        at_one = alpha_at(temperature=1.0).cpu().tolist()
+        alphas += at_one
+        for t in temperatures:
+            alphas_at[temperature_key(t)] += at_one if t == 1.0 else alpha_at(temperature=float(t)).cpu().tolist()
         agreements += [a.tolist() for a in agree.cpu().split(counts)]
         # A plain draft's later proposals are teacher-forced too: one rank per position serves every depth.
         rank = true_token_ranks(student, target_top.to(student.device), id_map)
         ranks += [[[r] for r in row.tolist()] for row in rank.cpu().split(counts)]
-    return {"alphas": alphas, "agreements": agreements, "ranks": ranks}
+    return {"alphas": alphas, "alphas_at": alphas_at, "agreements": agreements, "ranks": ranks}
 
 
 def merge_parts(parts: list[dict[str, list]], ks, alpha_is_lower_bound: bool) -> dict[str, Any]:
@@ -153,7 +164,8 @@ def merge_parts(parts: list[dict[str, list]], ks, alpha_is_lower_bound: bool) ->
     the greedy agreements."""
     agreements = pooled(parts, "agreements")
     return heldout_figures(pooled(parts, "alphas"), [x for row in agreements for x in row],
-                           simulated_tau(agreements, ks), pooled(parts, "ranks"), alpha_is_lower_bound)
+                           simulated_tau(agreements, ks), pooled(parts, "ranks"), alpha_is_lower_bound,
+                           pooled_at(parts))
 
 
 class PlainTraining:
@@ -173,6 +185,8 @@ class PlainTraining:
         self.target = target if cfg.needs_target else None  # derived from it; the offline teacher needs no more
         target_vocab = target.get_output_embeddings().out_features if target is not None else len(tokenizer)
         self.inv_map = losses.target_to_draft_map(self.id_map, max(target_vocab, len(tokenizer)))
+        # at least the target's vocabulary (a padded draft head may be wider): what a stored top-n leaves unseen
+        self.target_vocab = max(target_vocab, len(tokenizer), model.get_output_embeddings().out_features)
         if cfg.freeze_embeddings:
             model.get_input_embeddings().weight.requires_grad_(False)
         if cfg.freeze_head:
@@ -203,5 +217,6 @@ class PlainTraining:
     def evaluate(self, model, chunks, gather) -> dict[str, Any]:
         """Held-out figures over every process's `chunks`, merged through `gather` (accelerate's gather_object)."""
         with evaluating(model):
-            part = evaluate_part(model, self.target, chunks, self.id_map)
+            part = evaluate_part(model, self.target, chunks, self.id_map, self.cfg.heldout_temperatures,
+                                 self.target_vocab)
         return merge_parts(gather([part]), self.cfg.eval_k, alpha_is_lower_bound=self.target is None)

@@ -53,9 +53,9 @@ def default_layer_ids(num_layers: int, count: int = 5) -> list[int]:
     low, high = 2, max(2, num_layers - 2)
     if num_layers < 4:
         raise ValueError(f"a {num_layers}-layer target is too shallow for the default DFlash layers: name them "
-                         f"with layer_ids (distinct ids in 1..{num_layers - 1})")
+                         f"with dflash_layer_ids (distinct ids in 1..{num_layers - 1})")
     ids = sorted({round(low + (high - low) * i / max(1, count - 1)) for i in range(count)})
-    return check_layer_ids(ids, num_layers)
+    return check_layer_ids(ids, num_layers, "dflash_layer_ids")
 
 
 def draft_config(target_config, layer_ids: list[int], draft_vocab_size: int, num_layers: int, block_size: int,
@@ -194,7 +194,7 @@ class DFlashDraft(HiddenStateDraft):
         """A new draft for `target`: its frozen embeddings, final norm and head rows (the kept ids), and a seeded
         fc and `num_layers` layers reading the target's residual stream after `layer_ids`."""
         target_layers = len(target.get_decoder().layers)
-        ids = check_layer_ids(layer_ids or default_layer_ids(target_layers), target_layers)
+        ids = check_layer_ids(layer_ids or default_layer_ids(target_layers), target_layers, "dflash_layer_ids")
         vocab = target.get_input_embeddings().num_embeddings
         mask = vocab - 1 if mask_token_id is None else int(mask_token_id)
         if not 0 <= mask < vocab:

@@ -53,11 +53,12 @@ def default_layer_ids(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3]
 
 
-def check_layer_ids(layer_ids, num_layers: int) -> list[int]:
-    """Sorted, distinct ids in 1..N-1 (id i = the residual stream after i of the target's N layers)."""
+def check_layer_ids(layer_ids, num_layers: int, key: str = "eagle_aux_layer_ids") -> list[int]:
+    """Sorted, distinct ids in 1..N-1 (id i = the residual stream after i of the target's N layers); `key` names
+    the recipe key they came from in the error."""
     ids = sorted(int(i) for i in layer_ids)
     if not ids or len(set(ids)) != len(ids) or ids[0] < 1 or ids[-1] > num_layers - 1:
-        raise ValueError(f"eagle_aux_layer_ids must be distinct ids in 1..{num_layers - 1} (the residual stream "
+        raise ValueError(f"{key} must be distinct ids in 1..{num_layers - 1} (the residual stream "
                          f"after that many of the target's {num_layers} layers), got {list(layer_ids)}")
     return ids
 

@@ -20,7 +20,7 @@ def dflash_plan(ctx: PlanContext) -> KindPlan:
     cfg, tw, b, s = ctx.cfg, ctx.tw, ctx.cfg.per_device_batch_size, ctx.cfg.max_length
     opts = cfg.options
     layers = text_config(ctx.target_cfg).num_hidden_layers
-    ids = check_layer_ids(opts.dflash_layer_ids or default_layer_ids(layers), layers)
+    ids = check_layer_ids(opts.dflash_layer_ids or default_layer_ids(layers), layers, "dflash_layer_ids")
     config = draft_config(ctx.target_cfg, ids, ctx.draft_vocab, opts.dflash_layers, opts.block_size, 0)
     model = on_meta(lambda: DFlashDraft(config))
     model.embed_tokens.weight.requires_grad_(False)
@@ -31,8 +31,8 @@ def dflash_plan(ctx: PlanContext) -> KindPlan:
     acts = dflash_activations(b, s, opts.num_anchors, opts.block_size, opts.dflash_layers, dw, len(ids),
                               ctx.draft_vocab, ctx.half)
     plan = KindPlan(model, fix, _heldout_bytes(ctx, dw, len(ids), online), frozen_note=": the target's "
-                    "embedding table and head rows", target_why="the trainer loads it for every DFlash run "
-                    "(draft construction, online states)")
+                    "embedding table and head rows", target_why="loaded whole where its states are computed "
+                    "online (recorded states: its embedding, norm and head only)")
     plan.step = [Term("target states (input)", 4 * b * s * width, f"float32 [B, S, {width}]", fix),
                  Term("activations", acts, f"B={b}, S={s}, num_anchors={opts.num_anchors}, block_size="
                       f"{opts.block_size}, {opts.dflash_layers} layers, draft vocab {ctx.draft_vocab}", fix)]

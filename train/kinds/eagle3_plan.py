@@ -39,7 +39,8 @@ def eagle3_plan(ctx: PlanContext) -> KindPlan:
     acts = eagle3_activations(b, s, opts.ttt_steps, dw, ctx.draft_vocab, aux, ctx.half, cfg.teacher, cfg.loss,
                               ctx.top_n)
     plan = KindPlan(model, fix, _heldout_bytes(ctx, dw, aux, online), frozen_note=": the target's embedding table",
-                    target_why="the trainer loads it for every EAGLE-3 run (draft construction, online states)")
+                    target_why="loaded whole where its states are computed online (recorded states: its "
+                    "embedding, norm and head only)")
     plan.step = [Term("target states (input)", 4 * b * s * width, f"float32 [B, S, {width}]", fix),
                  Term("activations", acts["peak"],
                       f"B={b}, S={s}, ttt_steps={opts.ttt_steps}, draft vocab {ctx.draft_vocab}", fix)]

@@ -15,7 +15,8 @@ a phase's tensors are freed before the next phase starts:
     resident        draft weights (trainable float32; frozen: its embedding copy, float32, and the online
                     teacher's head rows in the target's dtype), AdamW state (2 x float32 per trainable parameter),
                     DDP's gradient buckets (float32 per trainable parameter, with more than one process), the
-                    target's weights where the trainer puts it on the device, the runtime (CUDA context, libraries),
+                    target's weights where the trainer puts it on the device (with recorded states only its
+                    embedding, final norm and head: train/target_parts.py), the runtime (CUDA context, libraries),
                     on a CPU under half autocast oneDNN's cached kernels (memory.py: ONEDNN_SHAPE_BYTES)
     train step      gradients (float32 per trainable parameter), autocast's half copies of the matmul weights
                     (kept for backward), the micro-batch's inputs (an EAGLE-3 draft's target states, float32),

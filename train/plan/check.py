@@ -132,8 +132,8 @@ def show(cfg, options: PlanOptions, argv: list[str]) -> int:
     plan = plan_for(cfg, options, data=recipe_data_config(path))
     print(plan.render())
     if not plan.fits():
-        big = plan.largest
-        print(f"does not fit: the largest term is {big.name}. {big.fix}")
+        big = plan.culprit
+        print(f"does not fit: {plan.naming(big)}. {big.fix}")
         return 1
     return 0
 

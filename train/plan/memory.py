@@ -13,10 +13,14 @@ from specdec.train.draft import kept_vocab_size
 from specdec.train.plan.kind import KindPlan, PlanContext
 from specdec.train.plan.report import GiB, Plan, Term, short_count
 from specdec.train.plan.target import Widths, meta_counts, target_parameters
+from specdec.train.target_parts import loads_parts_only, parts_parameters, reads_last_layer
 
 CUDA_RUNTIME = 1 * GiB  # the CUDA context, cuBLAS workspaces and the caching allocator's slack (about)
 CPU_RUNTIME = GiB // 2  # a trainer process's libraries (torch, transformers, accelerate): its RSS before any model
 HALF = ("bf16", "fp16")
+# The fix when a whole target does not fit where a draft reads its states: record them, and train on its parts
+RECORDED_FIX = ("states: recorded (record them first: `specdec data` with record_features: true, backend: vllm and "
+                "tensor_parallel_size: N GPUs; training then loads only the target's embedding, final norm and head)")
 # Under half-precision autocast on a CPU, torch runs each matmul through oneDNN, which compiles kernels for every
 # new shape and keeps them in two caches (ideep's, LRU_CACHE_CAPACITY, and oneDNN's,
 # ONEDNN_PRIMITIVE_CACHE_CAPACITY; 1024 entries each by default). Where bf16 is native (AVX512-BF16, AMX) one
@@ -51,6 +55,8 @@ def plan_run(cfg, target_cfg, *, device_type: str, mixed_precision: str, devices
     plan = Plan(title, devices, _resident_terms(ctx, kind, trainable, frozen, device_type), phases, memory=memory,
                 memory_source=memory_source)
     plan.reads, plan.disk = kind.reads, _disk(cfg, ctx, kind, data, samples, mean_length)
+    if cfg.needs_target and cfg.kind.facts.reads_target_states and not loads_parts_only(cfg):
+        plan.freeable = "target weights"  # recorded states spare it: the refusal names that fix first
     plan.notes.append("upper bounds where the data decides: every row max_length long, every position scored")
     return plan
 
@@ -72,9 +78,7 @@ def _resident_terms(ctx: PlanContext, kind: KindPlan, trainable: int, frozen: in
         resident.append(Term("DDP gradient buckets", 4 * trainable, "float32 per trainable parameter",
                              "fewer trainable parameters (draft_vocab_size)"))
     if cfg.needs_target:
-        fix = ("dtype=bfloat16" if ctx.tbytes > 2 else "a device with more memory") + kind.target_fix
-        resident.append(Term("target weights", ctx.tbytes * target_parameters(ctx.target_cfg),
-                             f"{str(ctx.target_dtype)[6:]}; {kind.target_why}", fix))
+        resident.append(_target_term(ctx, kind))
     if device_type == "cpu" and ctx.half:
         shapes = onednn_cached_shapes()
         resident.append(Term("oneDNN kernel caches", ONEDNN_SHAPE_BYTES * shapes,
@@ -85,6 +89,21 @@ def _resident_terms(ctx: PlanContext, kind: KindPlan, trainable: int, frozen: in
     resident.append(Term("runtime", CUDA_RUNTIME if device_type == "cuda" else CPU_RUNTIME,
                          "CUDA context and workspaces" if device_type == "cuda" else "the process's libraries"))
     return resident
+
+
+def _target_term(ctx: PlanContext, kind: KindPlan) -> Term:
+    """The target's weights on the device: whole, or only the parts a run with recorded states reads
+    (train/target_parts.py). A kind that reads the target's states names recording them as the fix."""
+    cfg, dtype = ctx.cfg, str(ctx.target_dtype)[6:]
+    last = reads_last_layer(cfg)
+    if loads_parts_only(cfg):
+        return Term("target weights", ctx.tbytes * parts_parameters(ctx.target_cfg, last),
+                    f"{dtype}; only its embedding, final norm and head{' and last layer' if last else ''}: the "
+                    "states are recorded", f"a smaller head: draft_vocab_size (now {ctx.draft_vocab})")
+    fix = ("dtype=bfloat16" if ctx.tbytes > 2 else "a device with more memory") + kind.target_fix
+    if cfg.kind.facts.reads_target_states:
+        fix += f", or {RECORDED_FIX}"
+    return Term("target weights", ctx.tbytes * target_parameters(ctx.target_cfg), f"{dtype}; {kind.target_why}", fix)
 
 
 def onednn_cached_shapes() -> int:

@@ -31,6 +31,9 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     memory: int = 0  # the device's bytes the plan is checked against (0: unknown)
     memory_source: str = ""
+    # A resident term that another setting removes whole (its fix): a plan that does not fit names it before the
+    # largest term when removing it would make the plan fit
+    freeable: str = ""
 
     def phase_total(self, name: str) -> float:
         return sum(t.bytes for t in self.phases[name])
@@ -55,6 +58,19 @@ class Plan:
     def largest(self) -> Term:
         """The largest term of the peak (resident terms and the peak phase's)."""
         return max([*self.resident, *self.phases.get(self.peak_phase, [])], key=lambda t: t.bytes)
+
+    @property
+    def culprit(self) -> Term:
+        """The term a refusal names: the freeable one where dropping it would fit, else the largest."""
+        if self.freeable and self.memory:
+            term = self.term(self.freeable)
+            if term.bytes >= self.total - self.memory:
+                return term
+        return self.largest
+
+    def naming(self, term: Term) -> str:
+        """How a refusal introduces `term`."""
+        return f"the largest term is {term.name}" if term is self.largest else f"without {term.name} it would fit"
 
     def fits(self) -> bool:
         return not self.memory or self.total <= self.memory
@@ -83,13 +99,13 @@ class Plan:
         return "\n".join(lines)
 
     def check(self) -> None:
-        """Refuse a plan whose total exceeds the device's memory, naming the largest term and its fix."""
+        """Refuse a plan whose total exceeds the device's memory, naming the term to change (`culprit`) and its fix."""
         if self.fits():
             return
-        big = self.largest
+        big = self.culprit
         raise ValueError(
             f"this run needs about {gib(self.total)} per device but {self.memory_source} has {gib(self.memory)}: "
-            f"the largest term is {big.name} ({gib(big.bytes)}{', ' + big.detail if big.detail else ''}). "
+            f"{self.naming(big)} ({gib(big.bytes)}{', ' + big.detail if big.detail else ''}). "
             f"{big.fix or 'Use a device with more memory.'} (`specdec train --plan --config ...` prints the plan; "
             f"plan_device_gb=N checks against N GiB instead.)")
 

@@ -1,0 +1,121 @@
+"""Host memory of EAGLE-3 training on a real `specdec data` folder: does the peak grow with the data, or with the
+micro-batches the steps happen to draw?
+
+    python bench/train_memory_real.py --data runs/demo/data                 # its first shard vs 6 copies of it, seeds 0-2
+    python bench/train_memory_real.py --data D --copies 10 --seeds 0 1 --steps 8
+
+The small folder is the data folder's first shard; the large one is `--copies` copies of it (linked, not written
+again: the same rows, so the rows' lengths and states are the data's own). Each run trains `--steps` steps of the
+recipe's train settings (default the demo's, recipes/smollm2-135m-eagle3.yaml: 16 rows a micro-batch, max_length
+1024, recorded states, online teacher) in its own process with the loader in that process, sampling its anonymous
+memory (RssAnon) every 50 ms, and records the widest micro-batch its steps drew. The table says, per folder and
+seed, the peak and the widest batch: when the peak follows the widest batch and not the folder, memory is bounded
+by the batch shape (what `specdec train --plan` bounds), whatever the data's size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import results  # bench/results.py (this script runs with bench/ on its path)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHILD = r"""
+import json, sys, threading, time
+from specdec.config import load_config
+from specdec.train import batches, distill
+from specdec.train.train_config import TrainConfig
+
+def anon_mb():
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon"):
+            return int(line.split()[1]) / 1024
+peak, widest = [0.0], [(0, 0)]
+def sample():
+    while True:
+        peak[0] = max(peak[0], anon_mb())
+        time.sleep(0.05)
+threading.Thread(target=sample, daemon=True).start()
+take = batches.MicroBatches.__getitem__
+def recorded(self, m):
+    item = take(self, m)
+    shape = tuple(item[1]["input_ids"].shape)
+    widest[0] = max(widest[0], shape, key=lambda s: s[0] * s[1])
+    return item
+batches.MicroBatches.__getitem__ = recorded
+spec = json.loads(sys.argv[1])
+cfg = load_config(TrainConfig, spec["recipe"], spec["overrides"], section="train")
+distill.run(cfg)
+print("MEMORY_RESULT " + json.dumps({"peak_anon_mb": peak[0], "widest": widest[0]}), flush=True)
+"""
+
+
+def linked_copies(data: Path, folder: Path, copies: int) -> Path:
+    """A data folder of `copies` links to `data`'s first shard (its parquet file and recorded states)."""
+    manifest = json.loads((data / "manifest.json").read_text())
+    first = manifest["shards"][0]
+    stem = Path(first["file"]).name.removesuffix(".parquet")
+    (folder / "shards").mkdir(parents=True)
+    shards = []
+    for c in range(copies):
+        for source in (data / "shards").glob(stem + ".*"):
+            (folder / "shards" / source.name.replace(stem, f"{stem}-copy{c}")).symlink_to(source.resolve())
+        shards.append({**first, "index": c, "file": f"shards/{stem}-copy{c}.parquet"})
+    manifest.update(shards=shards, num_shards=copies, complete=True,
+                    fingerprint=f"{manifest.get('fingerprint')}-first-shard-x{copies}")
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return folder
+
+
+def run(recipe: str, folder: Path, out: Path, steps: int, seed: int) -> dict:
+    overrides = [f"train_data={folder}", f"output_dir={out}", "overwrite=true", f"max_steps={steps}",
+                 "max_minutes=null", "eval_every=0", "stop_after_flat_evals=0", "save_every=0", f"seed={seed}",
+                 "data_workers=0", f"log_every={steps}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps({"recipe": recipe, "overrides": overrides})],
+                          cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"training on {folder} failed:\n{proc.stderr[-3000:]}")
+    return json.loads([x for x in proc.stdout.splitlines() if x.startswith("MEMORY_RESULT ")][-1][14:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", type=Path, required=True, help="a `specdec data` folder with recorded states")
+    parser.add_argument("--recipe", default="recipes/smollm2-135m-eagle3.yaml")
+    parser.add_argument("--copies", type=int, default=6)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=6)
+    args = parser.parse_args()
+    provenance = results.header("Training's host memory on a real data folder")
+    work = Path(tempfile.mkdtemp(prefix="train-memory-real-"))
+    small = linked_copies(args.data.resolve(), work / "small", 1)
+    large = linked_copies(args.data.resolve(), work / "large", args.copies)
+    rows_per_shard = json.loads((small / "manifest.json").read_text())["shards"][0]["examples"]
+    table = ["| folder | samples | seed | widest micro-batch drawn | peak RssAnon |", "|---|---:|---:|---|---:|"]
+    for name, folder, copies in (("first shard", small, 1), (f"{args.copies} copies", large, args.copies)):
+        for seed in args.seeds:
+            out = run(args.recipe, folder, work / f"run-{name}-{seed}", args.steps, seed)
+            rows, width = out["widest"]
+            table.append(f"| {name} | {rows_per_shard * copies} | {seed} | {rows} x {width} tokens | "
+                         f"{out['peak_anon_mb']:.0f} MB |")
+            print(table[-1], flush=True)
+    shutil.rmtree(work, ignore_errors=True)
+    body = "\n".join([
+        f"{args.steps} training steps of {args.recipe}'s train settings on `{args.data.name}`'s first shard "
+        f"({rows_per_shard} samples) and on {args.copies} copies of it, each seed a different batch order; one "
+        "process each, the loader in it, RssAnon sampled every 50 ms.", "", *table, ""])
+    print(body)
+    print(f"written to {results.write('train-memory-real', 'Training host memory on a real data folder', body, provenance)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""supervise_prompt: the prompts' positions scored too (the online teacher reads the target's distribution there),
+the held-out figures still over completions only."""
+
+import json
+
+import pytest
+
+from specdec.train import batches
+from specdec.train.train_config import TrainConfig
+
+LAYERS = [1, 2, 3]
+
+
+def test_collate_scores_every_position_of_the_sample_with_prompt_positions():
+    rows = {"input_ids": [[5, 6, 7, 8, 9, 10], [5, 6, 7]], "prompt_length": [4, 2]}
+    completions = batches.collate(rows, pad_id=0, max_length=16)
+    everything = batches.collate(rows, pad_id=0, max_length=16, prompt_positions=True)
+    # logits position t predicts token t + 1: completions from prompt - 1, every token but the first with the flag
+    assert completions["loss_mask"].tolist() == [[0, 0, 0, 1, 1, 0], [0, 1, 0, 0, 0, 0]]
+    assert everything["loss_mask"].tolist() == [[1, 1, 1, 1, 1, 0], [1, 1, 0, 0, 0, 0]]
+    assert everything["n_tokens"] - completions["n_tokens"] == (4 - 1) + (2 - 1)
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"teacher": "offline"}, "teacher=offline lacks"),
+    ({"teacher": "on_policy"}, "teacher=on_policy"),
+])
+def test_supervise_prompt_refuses_teachers_without_the_prompts_distribution(changes, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(supervise_prompt=True, **changes)
+    TrainConfig(supervise_prompt=True, teacher="offline", loss="ce")  # hard labels need no teacher
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_eagle3_trains_on_prompt_positions_and_scores_held_out_completions_only(tmp_path, monkeypatch):
+    """A recorded-states EAGLE-3 run with supervise_prompt: its training batches score the prompts' positions (more
+    than the completions alone), its held-out replay scores the same positions as a run without it."""
+    from conftest import save_tiny_world
+
+    from specdec.train import distill
+    from specdec.train.data import DataConfig
+    from specdec.train.data import run as run_data
+
+    ws = save_tiny_world(tmp_path / "ws", target_layers=4, small_seed=7, n_train=2, n_heldout=2)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"explain the sum of {w} and water"}) + "\n"
+                               for w in "a city book list food number simple clear water the".split()))
+    for folder, limit in (("recorded", None), ("recorded_heldout", 3)):
+        run_data(DataConfig(target=str(ws / "target"), prompts=str(prompts), output_dir=str(tmp_path / folder),
+                            max_new_tokens=8, batch_size=4, dtype="float32", device="cpu", limit=limit,
+                            record_features=True, eagle_aux_layer_ids=LAYERS))
+    scored = []
+    collate = batches.collate
+
+    def counting_collate(rows, pad_id, max_length, prompt_positions=False):
+        out = collate(rows, pad_id, max_length, prompt_positions)
+        scored.append((prompt_positions, out["n_tokens"]))
+        return out
+
+    monkeypatch.setattr(batches, "collate", counting_collate)
+    runs = {}
+    for flag in (False, True):
+        cfg = TrainConfig(target=str(ws / "target"), train_data=str(tmp_path / "recorded"),
+                          heldout_data=str(tmp_path / "recorded_heldout"), output_dir=str(tmp_path / f"run{flag}"),
+                          device="cpu", draft="eagle3", teacher="online", ttt_steps=2, eagle_aux_layer_ids=LAYERS,
+                          max_steps=2, per_device_batch_size=4, warmup_steps=0, eval_every=0, save_every=0,
+                          eval_samples=3, learning_rate=3e-3, data_workers=0, supervise_prompt=flag)
+        scored.clear()
+        distill.run(cfg)
+        runs[flag] = [n for f, n in scored if f == flag]
+        history = [json.loads(line) for line in (tmp_path / f"run{flag}" / "eval.jsonl").read_text().splitlines()]
+        runs[flag, "heldout"] = history[-1]["positions"]
+    assert len(runs[True]) == len(runs[False]) == 2  # one micro-batch per step, the same rows in the same order
+    assert all(a > b for a, b in zip(runs[True], runs[False]))
+    assert runs[True, "heldout"] == runs[False, "heldout"] > 0
