@@ -61,6 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "under --work)")
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "kinds", help="data, runs and reports go here")
     parser.add_argument("--no-vllm", action="store_true", help="specdec's decoder only (no vLLM servers)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="write the page from the kinds' outcome.json under --work (an earlier run's), rerun nothing")
     parser.add_argument("--quick", action="store_true", help="tiny data, budget and eval: the plumbing only")
     parser.add_argument("--train-prompts", type=int, default=192, help="shipped training prompts answered")
     parser.add_argument("--heldout-prompts", type=int, default=48, help="shipped held-out prompts answered")
@@ -247,7 +249,10 @@ def main(argv=None) -> None:
     args.work = args.work.resolve()
     args.work.mkdir(parents=True, exist_ok=True)
     data, heldout, data_minutes = data_folders(args, layers)
-    outcome = {kind: measure_kind(args, kind, train, data, heldout) for kind in args.kinds}
+    if args.report_only:  # the page from each kind's outcome.json of an earlier run of this bench, nothing rerun
+        outcome = {kind: json.loads((args.work / f"kind-{kind}" / "outcome.json").read_text()) for kind in args.kinds}
+    else:
+        outcome = {kind: measure_kind(args, kind, train, data, heldout) for kind in args.kinds}
     body = report_body(args, outcome, {"data": data, "heldout": heldout, "layers": layers,
                                        "data_minutes": data_minutes})
     print(body)

@@ -41,12 +41,12 @@ KINDS: dict[str, dict] = {
     "dflash-b4-l2": dflash(4, 2),  # blocks of 4, two layers
     "peagle": {"draft": "peagle", "ttt_steps": max(KS)},  # P-EAGLE: k = 4 proposals in one forward
     # PARD: the plain recipe's derived draft (recipes/smollm2-135m.yaml), full vocabulary (vLLM serves no reduced
-    # head for it), its learning rate; the target is its online teacher. 4 rows a step, not 16: its step holds
-    # the full-vocabulary logits of 4 copies of every row (16 rows of 1,024 tokens: ~13 GB, and as much again
-    # for their gradients)
+    # head for it), its learning rate; the target is its online teacher. One row a micro-batch, four a step: its
+    # step holds the full-vocabulary logits of 4 copies of every row (the plan puts 4 rows of 1,024 tokens at
+    # ~41 GiB, one at ~10)
     "parallel": {"draft": "parallel", "parallel_base": "derived", "parallel_tokens": max(KS),
                  "draft_layers": [0, 1, 2, 3, 4, 29], "draft_vocab_size": 0, "learning_rate": 1.5e-3,
-                 "teacher": "online", "per_device_batch_size": 4},
+                 "teacher": "online", "per_device_batch_size": 1, "grad_accum_steps": 4},
 }
 SHARED_KEYS = ("draft_vocab_size", "teacher", "loss", "learning_rate", "warmup_steps", "optimizer", "lr_schedule",
                "per_device_batch_size", "max_length")
