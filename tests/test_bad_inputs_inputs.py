@@ -127,6 +127,14 @@ CASES = [
     ("missing draft path", lambda c, b, o: _eval(c, b, o, draft="missing"), 2,
      "model {missing} does not exist locally, and is not a Hub id either (a Hub id is `org/name`"),
     ("missing target path", lambda c, b, o: _eval(c, b, o, target="missing"), 2, "{missing} does not exist locally"),
+    ("sampled acceptance at a negative temperature", lambda c, b, o: _eval(c, b, o, "sampled_acceptance_temperature=-1"),
+     2, "sampled_acceptance_temperature"),
+    ("prompt supervision without the prompts' teacher", lambda c, b, o: [
+        "train", "--target", c["target"], f"output_dir={o}", "supervise_prompt=true", "teacher=offline"], 2,
+     "supervise_prompt=true needs the target's distribution at the prompts' positions, which teacher=offline lacks"),
+    ("held-out temperature zero", lambda c, b, o: [
+        "train", "--target", c["target"], f"output_dir={o}", "heldout_temperatures=[0.7,0]"], 2,
+     "heldout_temperatures must list finite temperatures > 0"),
 ]
 
 

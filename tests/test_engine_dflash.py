@@ -23,6 +23,7 @@ from specdec.eagle3.states import target_states
 from specdec.models import EMBEDDED_TARGET, load_model, load_tokenizer, save_model
 from specdec.prompts import encode_prompt
 from specdec.train import publish as pub
+from specdec.train.losses import target_to_draft_map
 from specdec.vllm_env import find_vllm_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -52,8 +53,7 @@ def world(tmp_path_factory):
 def fit_dflash(target, sequences: list[list[int]], keep: torch.Tensor, steps: int = 150) -> DFlashDraft:
     """A one-layer DFlash draft (block K + 1) fitted (cross-entropy at every anchor) to the target's answers."""
     draft = DFlashDraft.from_target(target, LAYERS, keep, num_layers=1, block_size=K + 1, seed=0)
-    inv = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
-    inv[draft.draft_to_target] = torch.arange(len(keep))
+    inv = target_to_draft_map(draft.draft_to_target, target.config.vocab_size)
     opt = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
     batches = []
     for seq in sequences:  # the target is frozen: its states once per sequence

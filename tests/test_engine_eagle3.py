@@ -22,6 +22,7 @@ from specdec.prompts import encode_prompt
 from specdec.replay import target_states
 from specdec.train import publish as pub
 from specdec.train.draft import derive_draft
+from specdec.train.losses import target_to_draft_map
 from specdec.vllm_env import find_vllm_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -72,8 +73,7 @@ def fit_eagle3(target, sequences: list[list[int]], keep: torch.Tensor, steps: in
     """An EAGLE-3 draft fitted (cross-entropy over `ttt_steps` unrolled steps) to the target's greedy answers; with a
     `ptd_token_id`, a P-EAGLE draft fitted with the parallel objective over `ttt_steps` proposals."""
     draft = Eagle3Draft.from_target(target, None, keep_ids=keep, seed=0, ptd_token_id=ptd_token_id)
-    inv = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
-    inv[draft.draft_to_target] = torch.arange(len(keep))
+    inv = target_to_draft_map(draft.draft_to_target, target.config.vocab_size)
     opt = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
     batches = []
     for seq in sequences:  # the target is frozen: its states once per sequence

@@ -34,7 +34,14 @@ from specdec.train import losses
 from specdec.train.batches import place
 from specdec.train.draft import kept_vocab_size
 from specdec.train.eagle3_states import States, StatesReader
-from specdec.train.heldout import evaluating, heldout_figures, pooled, pooled_at, temperature_key
+from specdec.train.heldout import (
+    collect_alphas,
+    evaluating,
+    heldout_figures,
+    pooled,
+    pooled_at,
+    temperature_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -151,10 +158,7 @@ def evaluate_part(draft, states, chunks, ks: Sequence[int], temperatures: Sequen
                 alpha_at = partial(losses.acceptance_alpha_topn, draft.logits(prenorm[s:s + chunk]).float(),
                                    top_ids[s:s + chunk], top_lp[s:s + chunk], None, draft.draft_to_target,
                                    target_vocab=draft.config.vocab_size)
-                at_one = alpha_at(temperature=1.0).tolist()
-                alphas += at_one
-                for t in temperatures:
-                    alphas_at[temperature_key(t)] += at_one if t == 1.0 else alpha_at(temperature=float(t)).tolist()
+                collect_alphas(alpha_at, temperatures, alphas, alphas_at)
     return {"ranks": ranks, "alphas": alphas, "alphas_at": alphas_at}
 
 

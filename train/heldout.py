@@ -46,6 +46,15 @@ def temperature_key(temperature: float) -> str:
     return str(float(temperature))
 
 
+def collect_alphas(alpha_at, temperatures, alphas: list, alphas_at: dict[str, list]) -> None:
+    """Append one chunk's per-position alphas: temperature 1's to `alphas`, each held-out temperature's to
+    `alphas_at` (temperature 1's reused, not recomputed). `alpha_at(temperature=T)` -> [N] tensor."""
+    at_one = alpha_at(temperature=1.0).cpu().tolist()
+    alphas += at_one
+    for t in temperatures:
+        alphas_at[temperature_key(t)] += at_one if t == 1.0 else alpha_at(temperature=float(t)).cpu().tolist()
+
+
 def pooled_at(parts: list[dict], key: str = "alphas_at") -> dict[str, list]:
     """Every process's per-temperature lists (`evaluate_part`'s `alphas_at`), joined in process order."""
     out: dict[str, list] = {}

@@ -24,7 +24,14 @@ from specdec.replay import simulated_tau
 from specdec.tokens import tokenizer_pad_id
 from specdec.train import draft as draft_lib
 from specdec.train import losses
-from specdec.train.heldout import evaluating, heldout_figures, pooled, pooled_at, temperature_key
+from specdec.train.heldout import (
+    collect_alphas,
+    evaluating,
+    heldout_figures,
+    pooled,
+    pooled_at,
+    temperature_key,
+)
 from specdec.vocab import draft_to_target_map
 
 log = logging.getLogger(__name__)
@@ -148,10 +155,7 @@ def evaluate_part(model, target, chunks, id_map, temperatures=(), target_vocab: 
                                 batch["top_logprobs"][mask], None, id_map, target_vocab=target_vocab)
                         if has_topn else partial(_unknown_alpha, agree.shape))
         counts = mask.sum(-1).tolist()
-        at_one = alpha_at(temperature=1.0).cpu().tolist()
-        alphas += at_one
-        for t in temperatures:
-            alphas_at[temperature_key(t)] += at_one if t == 1.0 else alpha_at(temperature=float(t)).cpu().tolist()
+        collect_alphas(alpha_at, temperatures, alphas, alphas_at)
         agreements += [a.tolist() for a in agree.cpu().split(counts)]
         # A plain draft's later proposals are teacher-forced too: one rank per position serves every depth.
         rank = true_token_ranks(student, target_top.to(student.device), id_map)
