@@ -32,15 +32,16 @@ def demo_section(out: Path) -> str:
     report, timings = summary["report"], summary["timings"]
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        _print_summary(report, out / "eval", out / "draft", timings)
+        _print_summary(report, out / "eval", out / "draft", timings, summary.get("split"))
     manifest = json.loads((out / "data" / "manifest.json").read_text())
     trained = json.loads((out / "train" / "train_summary.json").read_text())
     s, b = report["speculative"], report["baseline"]
     lines = ["## specdec demo", "", "```", printed.getvalue().strip("\n"), "```", "",
              f"- data: {manifest['counts']['examples']} examples in {len(manifest['shards'])} of "
              f"{manifest['num_shards']} shards ({timings['data_s'] / 60:.1f} min)",
+             f"- split: {json.dumps(summary.get('split'))}",
              f"- training: {trained.get('steps', trained.get('global_step'))} steps "
-             f"({timings['train_s'] / 60:.1f} min); best held-out: "
+             f"({timings['train_s'] / 60:.1f} min), pace {json.dumps(trained.get('pace'))}; best held-out: "
              + json.dumps(trained.get("best", {}), default=str)[:300],
              f"- eval ({timings['eval_s'] / 60:.1f} min): {report['recommended']['proposal']}, tokens/s "
              f"{b['tokens_per_s']:.2f} target alone / {s['tokens_per_s']:.2f} speculative, speedup "

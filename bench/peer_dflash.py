@@ -24,6 +24,8 @@ specdec's autocast rule (bf16 only where the CPU computes it natively):
   derives it (qwen3, silu), built by its `from_training_args`, trained by its own forward and loss (`ce`, eager)
   at its trainer's DFlash defaults: Muon on the 2-D weights + AdamW (lr 1e-3, wd 0.1 / 0.01), linear decay after a 1%
   warm-up, clipping at 1.0, D-PACE slot weights (alpha 0.5); bench/peer.py's Muon note holds.
+- `specdec-norm-ones` (`--runs`): `specdec` with its draft's final norm starting at ones (`norm_init: ones`, as the
+  peer's starts) instead of the target's final norm weights.
 - `peer-ours` (`--runs`): the same model, forward and loss at specdec's settings (AdamW, learning rate, warm-up,
   cosine, fixed-exp-decay slot weights with specdec's gamma).
 
@@ -74,7 +76,8 @@ import peer  # bench/peer.py (this script runs with bench/ on its path)
 import torch
 
 ROOT = peer.ROOT
-RUNS = ("specdec", "peer", "peer-ours")
+RUNS = ("specdec", "specdec-norm-ones", "peer", "peer-ours")
+OURS = {"specdec": {}, "specdec-norm-ones": {"norm_init": "ones"}}  # specdec's runs: their dflash options changed
 FULL = {"work": ROOT / "runs" / "peer", "train_prompts": 192, "heldout_prompts": 48, "max_new_tokens": 64,
         "steps": 240, "batch": 4}
 QUICK = {"work": ROOT / "runs" / "peer-quick", "train_prompts": 8, "heldout_prompts": 4, "max_new_tokens": 16,
@@ -190,14 +193,14 @@ def child_peer(spec: dict) -> dict:
 
 def child_main(spec: dict) -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    if spec["run"] != "specdec":  # the libraries each trainer needs, before it starts: the RSS baseline
+    if spec["run"] not in OURS:  # the libraries each trainer needs, before it starts: the RSS baseline
         import speculators.models.dflash  # noqa: F401
 
         import specdec.train.batches  # noqa: F401
     import specdec.train.distill  # noqa: F401
 
     imported = peer.current_rss_mb()
-    out = peer.child_specdec(spec) if spec["run"] == "specdec" else child_peer(spec)
+    out = peer.child_specdec(spec) if spec["run"] in OURS else child_peer(spec)
     out.update(peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, imports_rss_mb=imported)
     print("PEER_RESULT " + json.dumps(out), flush=True)
 
@@ -277,9 +280,10 @@ def load_line(run: str, folder: Path, work: Path, diff: float) -> str:
 
 # ---- the bench --------------------------------------------------------------------------------------------------
 def settings_text(run: str, s: dict) -> str:
-    if run == "specdec":
+    if run in OURS:
         return (f"AdamW lr {LEARNING_RATE:g}, wd 0, warm-up {s['warmup_steps']}, cosine to 0; ce on the data's tokens; "
-                f"slot weights exp(-(j - 1) / {LOSS_DECAY:g}); {s['dflash']['num_anchors']} anchors a row at most")
+                f"slot weights exp(-(j - 1) / {LOSS_DECAY:g}); {s['dflash']['num_anchors']} anchors a row at most; "
+                f"final norm starting from {s['dflash'].get('norm_init', 'target')}")
     optimizer = ("Muon (2-D, lr {lr:g}, wd {muon_weight_decay:g}) + AdamW (wd {weight_decay:g})"
                  if s["optimizer"] == "muon" else "AdamW lr {lr:g}, wd {weight_decay:g}").format(**s)
     schedule = "linear, warm-up 1%" if s["schedule"] == "linear" else f"warm-up {s['warmup_steps']}, cosine to 0"
@@ -332,7 +336,9 @@ def run_specs(args, work: Path, keep: torch.Tensor, mask: int) -> dict:
                "dflash": {"block_size": args.block, "num_anchors": args.max_new_tokens, "loss_decay": LOSS_DECAY,
                           "dflash_layer_ids": args.layer_ids, "dflash_layers": 1, "mask_token_id": mask,
                           "states": "recorded"}}
-    specs = {"specdec": {"run": "specdec", "config": specdec}}
+    specs = {run: {"run": run, "config": {**specdec, "output_dir": str(work / f"dflash-{run}"),
+                                          "dflash": {**specdec["dflash"], **changes}}}
+             for run, changes in OURS.items()}
     for run, settings in (("peer", PEER_DEFAULTS), ("peer-ours", peer_ours(args.steps))):
         specs[run] = {"run": run, "target": args.target, "keep_ids": keep.tolist(), "layer_ids": args.layer_ids,
                       "settings": settings, "seed": args.seed, "attn": args.attn, "train_data": str(work / "data"),
@@ -358,18 +364,17 @@ def train_all(args, specs: dict) -> dict:
 
 
 def ratios(outcome: dict, figures: dict, k: int) -> list[str]:
-    """specdec over each peer run: held-out tau(k), trained tokens per second, peak RSS."""
-    if "specdec" not in outcome:
-        return []
+    """Each of specdec's runs over each peer run: held-out tau(k), trained tokens per second, peak RSS."""
     def rate(run: str) -> float:
         return outcome[run]["tokens"] / outcome[run]["seconds"]
 
     lines = []
-    for run in (r for r in outcome if r != "specdec"):
-        tau = figures["specdec"]["tau"][k] / figures[run]["tau"][k]
-        rss = outcome["specdec"]["peak_rss_mb"] / outcome[run]["peak_rss_mb"]
-        lines.append(f"- specdec / {run}: held-out tau({k}) {tau:.3f}x, trained tokens/s "
-                     f"{rate('specdec') / rate(run):.2f}x, peak RSS {rss:.2f}x")
+    for ours in (r for r in outcome if r in OURS):
+        for run in (r for r in outcome if r not in OURS):
+            tau = figures[ours]["tau"][k] / figures[run]["tau"][k]
+            rss = outcome[ours]["peak_rss_mb"] / outcome[run]["peak_rss_mb"]
+            lines.append(f"- {ours} / {run}: held-out tau({k}) {tau:.3f}x, trained tokens/s "
+                         f"{rate(ours) / rate(run):.2f}x, peak RSS {rss:.2f}x")
     return lines
 
 
@@ -385,7 +390,7 @@ def report_body(args, outcome: dict, specs: dict, figures: dict, loads: list[str
     ks = list(range(1, args.block))
     held = json.loads((facts["heldout"] / "manifest.json").read_text()).get("counts", {}).get("examples", "?")
     epochs = args.steps * args.batch / facts["train_examples"]
-    settings = {run: specs[run]["config"] if run == "specdec" else specs[run]["settings"] for run in outcome}
+    settings = {run: specs[run]["config"] if run in OURS else specs[run]["settings"] for run in outcome}
     return "\n".join([
         f"Every run: {args.steps} optimizer steps x {args.batch} samples, the same rows in the same order (specdec's "
         f"schedule); one process each, {args.threads} thread(s), {args.parallel} at a time, mixed precision "
@@ -448,11 +453,11 @@ def main(argv: list[str] | None = None) -> Path | None:
     keep = peer.draft_vocabulary(train_ds, tokenizer, args.draft_vocab, vocab)
     specs = run_specs(args, work, keep, vocab - 1)
     outcome = train_all(args, specs)
-    if "specdec" in outcome:  # the same kept ids; then speculators' layout
-        chosen = json.loads((work / "dflash-specdec" / "draft_vocab.json").read_text())["ids"]
+    for ours in (r for r in outcome if r in OURS):  # the same kept ids; then speculators' layout
+        chosen = json.loads((work / f"dflash-{ours}" / "draft_vocab.json").read_text())["ids"]
         assert sorted(chosen) == sorted(keep.tolist()), "specdec's trainer kept other ids than the bench"
-        outcome["specdec"]["final"] = str(pub.publish(pub.PublishConfig(
-            draft=outcome["specdec"]["final"], out=str(work / "dflash-specdec" / "speculators"), target=args.target,
+        outcome[ours]["final"] = str(pub.publish(pub.PublishConfig(
+            draft=outcome[ours]["final"], out=str(work / f"dflash-{ours}" / "speculators"), target=args.target,
             format="speculators", overwrite=True)))
     figures, loads = {}, []
     target = load_model(args.target, dtype="float32", device="cpu")

@@ -17,11 +17,12 @@ card. Everything lands in `output_dir` (default outputs/demo/, or outputs/demo-q
 never take each other's stages for their own); each stage resumes or is skipped when its output
 is complete, so an interrupted demo continues where it stopped when run again.
 
-The demo keeps to a time budget (`minutes`: 45, or 5 with --quick) on any machine, as far as its work allows:
-data generation starts no shard that would end past `data_share` of it, and training gets what is left after
-an estimate of the evaluation (its decode work at the target's step time, measured first), stopping early with
-its schedule fitted (train/budget.py) where the recipe's steps would not fit. A slower machine gets a draft
-trained on fewer examples and steps; the summary says what each stage took.
+The demo keeps to a time budget (`minutes`: 45, or 5 with --quick) on any machine, as far as its work allows.
+The evaluation's share is estimated first (its decode work at the target's step time, measured). Data and
+training split the rest by rates measured here (specdec/demo_split.py): after the first data shard, a few
+training steps time the trainer, and data generation goes on only as long as training can still see all of
+it `train_passes` times; training then stops by the budget with its schedule fitted (train/budget.py). A slower
+machine gets a draft trained on fewer examples and steps; the summary says what each stage took and the split.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import dataclasses
 import json
 import logging
 import math
+import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -38,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from specdec.config import config_from_cli, load_config, recipe_file, shipped_recipes
+from specdec.demo_split import Split, data_rate
 
 log = logging.getLogger(__name__)
 
@@ -55,18 +58,20 @@ class DemoConfig:
     eval_num_prompts: int | None = None  # prompts evaluated (the first N); default: 8 with --quick, else 24
     fresh: bool = False  # ignore completed stages and redo everything
     minutes: float = 0.0  # time budget of the whole demo; 0 = 45, or 5 with --quick
-    # Data generation starts no shard that would end past this share of the budget, so that training, where the
-    # draft was still improving when the budget ended, gets at least the rest less the evaluation.
-    data_share: float = 1 / 3
+    # Passes over its data training should make: data generation stops where the minutes left give training this
+    # many, at the rates measured in the run (the basis: bench/passes.py, docs/results/2026-12-05-passes.md).
+    train_passes: float = 5.0
+    probe_steps: int = 12  # training steps timed on the first data shard to measure training's pace (first excluded)
     plan: bool = False  # print the recipe, the assets each stage reads and where it writes; run nothing
     # After the greedy evaluation, acceptance measured at this temperature too (eval's sampled_acceptance_temperature:
     # one untimed speculative pass, seeded, with the k or tree eval chose); 0 = greedy only.
     sampled_temperature: float = 0.7
 
     def __post_init__(self) -> None:
-        if self.minutes < 0 or not 0.0 < self.data_share <= 1.0:
-            raise ValueError(f"minutes must be >= 0 (0 = the default budget) and data_share in (0, 1], got "
-                             f"{self.minutes} and {self.data_share}")
+        if self.minutes < 0 or self.train_passes <= 0 or self.probe_steps < 2:
+            raise ValueError(f"minutes must be >= 0 (0 = the default budget), train_passes > 0 and probe_steps >= 2 "
+                             f"(the first step is not timed), got {self.minutes}, {self.train_passes} and "
+                             f"{self.probe_steps}")
         if self.sampled_temperature < 0:
             raise ValueError(f"sampled_temperature must be > 0 (the temperature acceptance is also measured at) or 0 "
                              f"(greedy only), got {self.sampled_temperature}")
@@ -106,7 +111,6 @@ def stage_configs(cfg: DemoConfig) -> Stages:
     recipe, out = cfg.recipe_path(), cfg.out_dir()
     data_dir, train_dir, eval_dir, draft_dir = out / "data", out / "train", out / "eval", out / "draft"
     data = load_config(DataConfig, recipe, [f"output_dir={data_dir}", f"overwrite={cfg.fresh}"], section="data")
-    data.max_minutes = min(data.max_minutes or math.inf, cfg.data_share * cfg.budget_minutes())
     # The trainer picks its best checkpoint on a slice of the training prompts split off by prompt id, so the
     # held-out prompts used by the evaluation are seen by neither training nor checkpoint selection.
     resume = "latest" if latest_checkpoint(train_dir / "checkpoints") and not cfg.fresh else ""
@@ -144,39 +148,115 @@ def run(cfg: DemoConfig) -> dict:
     from specdec.train.publish import publish
 
     stages, demo_start, timings = stage_configs(cfg), time.perf_counter(), {}
+    eval_minutes = _EvalEstimate(stages.eval)
     with _stage("target-generated data", 1, timings, "data_s"):
-        _generate_data(cfg, stages.data)
+        split = _generate_data(cfg, stages, demo_start, eval_minutes)
     with _stage("distil the draft", 2, timings, "train_s"):
-        draft = _train_draft(cfg, stages, demo_start)
+        draft = _train_draft(cfg, stages, demo_start, eval_minutes)
     with _stage("evaluate against the target alone", 3, timings, "eval_s"):
         report = run_eval(dataclasses.replace(stages.eval, draft=str(draft)))
     with _stage("publish", 4, timings, "publish_s"):
         publish(dataclasses.replace(stages.publish, draft=str(draft)))
     out = cfg.out_dir()
-    summary = {"acceptance": acceptance_summary(report), "report": report, "timings": timings}
+    summary = {"acceptance": acceptance_summary(report), "split": split.summary() if split else None,
+               "report": report, "timings": timings}
     (out / "demo_summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    _print_summary(report, Path(stages.eval.out), Path(stages.publish.out), timings)
+    _print_summary(report, Path(stages.eval.out), Path(stages.publish.out), timings, summary["split"])
     return report
 
 
-def _generate_data(cfg: DemoConfig, data_cfg) -> None:
-    """Stage 1: the target's outputs, within the data's share of the budget (skipped when complete)."""
+class _EvalEstimate:
+    """The evaluation stage's estimated minutes, measured once when first asked (it loads the target)."""
+
+    def __init__(self, eval_cfg):
+        self.eval_cfg, self.minutes = eval_cfg, None
+
+    def __call__(self) -> float:
+        if self.minutes is None:
+            self.minutes = estimate_eval_minutes(self.eval_cfg)
+        return self.minutes
+
+
+# A data run always makes one shard and starts no further one past its max_minutes: this makes exactly one.
+ONE_SHARD_MINUTES = 1e-6
+
+
+def _generate_data(cfg: DemoConfig, stages: Stages, demo_start: float, eval_minutes) -> Split | None:
+    """Stage 1: the target's outputs (skipped when complete): one shard, then as many more as the measured split
+    gives (specdec/demo_split.py). -> the split, None where no split was needed."""
     from specdec.train.data import read_manifest
     from specdec.train.data import run as run_data
 
+    data_cfg = stages.data
     data_dir = Path(data_cfg.output_dir)
     manifest = read_manifest(data_dir) if (data_dir / "manifest.json").is_file() else {}
     if manifest.get("complete") and not cfg.fresh:
         print(f"data already complete in {data_dir}")
-        return
-    manifest = run_data(data_cfg)
+        return None
+    cap = data_cfg.max_minutes  # the recipe's own limit on the data stage, if any
+    if cfg.fresh or not manifest.get("shards"):
+        manifest = run_data(dataclasses.replace(data_cfg, max_minutes=ONE_SHARD_MINUTES))
+    if manifest["complete"]:
+        return None
+    try:
+        split = _measure_split(cfg, stages, manifest, demo_start, eval_minutes())
+        print(split.line(), flush=True)
+        more = split.more_data_minutes()
+    except ValueError as err:  # e.g. a first shard smaller than one training batch: no pace to measure
+        split = None
+        spent = (time.perf_counter() - demo_start) / 60
+        more = (cfg.budget_minutes() - spent - eval_minutes()) / 2
+        print(f"split: the training probe could not run ({err}); data gets half of the {2 * more:.1f} minutes "
+              "left", flush=True)
+    if cap:
+        more = min(more, cap - sum(s["seconds"] for s in manifest["shards"]) / 60)
+    if more >= manifest["shards"][-1]["seconds"] / 60:  # another shard fits
+        manifest = run_data(dataclasses.replace(data_cfg, max_minutes=more, overwrite=False))
     if not manifest["complete"]:
-        print(f"data: its {data_cfg.max_minutes:.1f} min of the budget gave {len(manifest['shards'])} of "
-              f"{manifest['num_shards']} shards ({manifest['counts']['examples']} examples); training uses "
-              "those (run the demo again to generate the rest)")
+        print(f"data: {len(manifest['shards'])} of {manifest['num_shards']} shards "
+              f"({manifest['counts']['examples']} examples) fill training's {cfg.train_passes:g} passes in this "
+              "budget; training uses those (a larger `minutes` generates more)")
+    return split
 
 
-def _train_draft(cfg: DemoConfig, stages: Stages, demo_start: float) -> Path:
+def _measure_split(cfg: DemoConfig, stages: Stages, manifest: dict, demo_start: float, eval_minutes: float) -> Split:
+    """The data stage's rate from its manifest, training's from a probe of a few steps on the data so far."""
+    print(f"timing {cfg.probe_steps} training steps on the {manifest['counts']['examples']} examples so far, to split "
+          "the budget", flush=True)
+    train_rate = probe_train_rate(stages.train, cfg.out_dir() / "probe", cfg.probe_steps)
+    spent = (time.perf_counter() - demo_start) / 60
+    return Split(data_rate(manifest), train_rate, manifest["counts"]["examples"],
+                 cfg.budget_minutes() - spent - eval_minutes, cfg.train_passes)
+
+
+def probe_train_rate(train_cfg, probe_dir: Path, steps: int) -> float:
+    """Training's samples per minute on the data so far, from `steps` training steps of `train_cfg` in `probe_dir`
+    (removed after): the trainer's own pace, its first step (warm-up) left out, scaled to a whole epoch's padded
+    positions (a dozen steps may all draw short rows), plus the evaluations and checkpoints the run will make
+    every eval_every and save_every steps, at the probe's own (one at its start, one at its end)."""
+    from specdec.train.distill import run as run_train
+
+    probe = dataclasses.replace(
+        train_cfg, output_dir=str(probe_dir), max_steps=steps, warmup_steps=min(train_cfg.warmup_steps, steps),
+        eval_every=0, save_every=0, max_minutes=None, resume_from="", overwrite=True, report_to="none",
+        stop_after_flat_evals=0)
+    try:
+        run_train(probe)
+        pace = json.loads((probe_dir / "train_summary.json").read_text())["pace"]
+    finally:
+        shutil.rmtree(probe_dir, ignore_errors=True)
+    rate = pace.get("epoch_samples_per_second") or pace.get("samples_per_second")  # the first: scaled to an epoch
+    if not rate:
+        raise RuntimeError(f"the training probe timed no step ({steps} steps): raise the demo's probe_steps")
+    seconds_per_sample = 1 / rate
+    for every, seconds in ((train_cfg.eval_every, pace.get("eval_seconds")),
+                           (train_cfg.save_every, pace.get("save_seconds"))):
+        if every and seconds:
+            seconds_per_sample += seconds / (every * pace["samples_per_step"])
+    return 60 / seconds_per_sample
+
+
+def _train_draft(cfg: DemoConfig, stages: Stages, demo_start: float, eval_minutes) -> Path:
     """Stage 2: the draft, trained in what the budget leaves after the evaluation's estimate (skipped when
     trained). -> the best checkpoint, else the final one."""
     from specdec.train.distill import run as run_train
@@ -186,11 +266,11 @@ def _train_draft(cfg: DemoConfig, stages: Stages, demo_start: float) -> Path:
     if (final / "config.json").is_file() and not cfg.fresh:
         print(f"draft already trained: {final}")
     else:
-        budget, eval_minutes = cfg.budget_minutes(), estimate_eval_minutes(stages.eval)
+        budget, estimate = cfg.budget_minutes(), eval_minutes()
         spent = (time.perf_counter() - demo_start) / 60
-        stages.train.max_minutes = train_minutes(budget, spent, eval_minutes, stages.train.max_minutes)
+        stages.train.max_minutes = train_minutes(budget, spent, estimate, stages.train.max_minutes)
         print(f"training budget {stages.train.max_minutes:.1f} min (demo budget {budget:.0f} min, {spent:.1f} spent, "
-              f"evaluation estimated at {eval_minutes:.1f})", flush=True)
+              f"evaluation estimated at {estimate:.1f})", flush=True)
         final = run_train(stages.train)
     best = train_dir / "best"
     return best if (best / "config.json").is_file() else final
@@ -215,7 +295,8 @@ def plan_lines(cfg: DemoConfig, stages: Stages) -> list[str]:
         f"specdec demo{' --quick' if cfg.quick else ''}: the plan (nothing runs)",
         f"recipe            {stages.recipe}",
         f"target            {stages.eval.target}",
-        f"budget            {cfg.budget_minutes():g} min; data starts no shard past {data.max_minutes:.1f} min",
+        f"budget            {cfg.budget_minutes():g} min; data and training split it by rates measured in the run, for "
+        f"{cfg.train_passes:g} passes over the data",
         f"[1/4] data        {loaded} prompts from {', '.join(read) or '-'}"
         + (f" + {', '.join(written)} (written by the target)" if written else "") + f" -> {data.output_dir}",
         f"[2/4] train       {stages.train.draft} draft, up to {stages.train.max_steps} steps -> {stages.train.output_dir}",
@@ -288,7 +369,9 @@ def _sampled_lines(report: dict) -> list[str]:
             f"{sampled['mean_accepted_tokens']:.2f} tokens per round (untimed; same proposal and prompts)"]
 
 
-def _print_summary(report: dict, eval_dir: Path, draft_dir: Path, timings: dict[str, float]) -> None:
+def _print_summary(report: dict, eval_dir: Path, draft_dir: Path, timings: dict[str, float],
+                   split: dict | None = None) -> None:
+    """The demo's closing lines; `split`: demo_summary.json's (None where no split was measured)."""
     spec = report.get("speculative", {})
     config = report.get("config", {})
     decision = report.get("decision", {})
@@ -311,6 +394,7 @@ def _print_summary(report: dict, eval_dir: Path, draft_dir: Path, timings: dict[
         f"report            {eval_dir / 'report.md'}",
         f"checkpoint        {draft_dir}",
         "time              " + ", ".join(f"{k[:-2]} {v / 60:.1f} min" for k, v in timings.items()),
+        *([f"                  {split['line']}"] if split else []),
     ]
     print("\n".join(lines), flush=True)
 

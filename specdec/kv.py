@@ -11,6 +11,7 @@ import inspect
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 
 class Batch:
@@ -107,9 +108,53 @@ def forward_masked(model, cache: DynamicCache, input_ids, position_ids, allowed:
     return out.logits
 
 
+class PreallocatedLayer(DynamicLayer):
+    """A DynamicLayer whose keys and values are views of buffers sized for the whole decoding: a step writes its
+    entries in place, where DynamicLayer's torch.cat copies the whole cache (at batch 64 in bf16 on a CPU, a third
+    of a decoding step). The views hold the same values in the same shapes, so every forward computes what it did
+    over DynamicLayer's tensors; crop, rollback and keep_path work on the views as before."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._key_buffer = self._value_buffer = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start = self.get_seq_length()
+        stop = start + key_states.shape[-2]
+        if self._key_buffer is None or stop > self._key_buffer.shape[-2]:
+            self._grow(key_states, value_states, start, max(stop, self.capacity))
+        self._key_buffer[:, :, start:stop] = key_states
+        self._value_buffer[:, :, start:stop] = value_states
+        self.keys, self.values = self._key_buffer[:, :, :stop], self._value_buffer[:, :, :stop]
+        return self.keys, self.values
+
+    def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, kept: int, capacity: int) -> None:
+        """New buffers of `capacity` positions holding the `kept` cached ones (a tree round may outgrow a chain's)."""
+        keys = key_states.new_empty((*key_states.shape[:2], capacity, key_states.shape[-1]))
+        values = value_states.new_empty((*value_states.shape[:2], capacity, value_states.shape[-1]))
+        if kept:
+            keys[:, :, :kept], values[:, :, :kept] = self.keys, self.values
+        self._key_buffer, self._value_buffer = keys, values
+        self.capacity = capacity
+
+
+def new_cache(model, capacity: int) -> DynamicCache:
+    """The model's cache for a decoding of up to `capacity` positions: its full-attention layers preallocated
+    (sliding-window and other layer kinds stay as transformers builds them)."""
+    cache = DynamicCache(config=model.config)
+    cache.layers = [PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
 def prefill(model, batch: Batch, kwarg: str) -> tuple[DynamicCache, torch.Tensor]:
     """Run the prompt through a causal LM; returns its cache and the last position's logits [B, V]."""
-    cache = DynamicCache(config=model.config)
+    cache = new_cache(model, batch.seq.shape[1])
     logits = forward_cached(model, cache, batch, batch.prompt_length, 1, kwarg)
     return cache, logits[:, -1]
 

@@ -312,3 +312,36 @@ def test_layer_ids_out_of_range_name_the_dflash_key():
     """A DFlash draft's bad layer ids are named by the key a DFlash recipe sets, not EAGLE-3's."""
     with pytest.raises(ValueError, match=r"dflash_layer_ids must be distinct ids in 1\.\.3"):
         DFlashDraft.from_target(tiny_llama(seed=0, layers=4), [1, 9])
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+@pytest.mark.parametrize("norm_init", ["target", "ones"])
+def test_the_drafts_final_norm_starts_where_norm_init_says(tmp_path, norm_init):
+    """One step at warm-up's zero learning rate exports the draft as built: its final norm the target's, or ones."""
+    from conftest import save_tiny_world
+
+    from specdec.models import load_model
+    from specdec.train import distill
+
+    ws = save_tiny_world(tmp_path / "ws", target_layers=4, small_seed=3, n_train=4, n_heldout=2)
+    saved = load_model(str(ws / "target"), dtype="float32", device="cpu")
+    with torch.no_grad():  # a trained target's final norm is not ones (SmolLM2's averages 1.8)
+        saved.model.norm.weight.copy_(1.5 + 0.1 * torch.randn(saved.model.norm.weight.shape))
+    saved.save_pretrained(ws / "target")
+    cfg = distill.TrainConfig(draft="dflash", target=str(ws / "target"), train_data=str(ws / "data"),
+                              heldout_data=str(ws / "heldout"), output_dir=str(tmp_path / "run"), device="cpu",
+                              max_steps=1, per_device_batch_size=2, warmup_steps=1, eval_every=0, save_every=0,
+                              eval_samples=0, data_workers=0,
+                              dflash={"block_size": 4, "num_anchors": 4, "dflash_layer_ids": LAYERS,
+                                      "dflash_layers": 1, "norm_init": norm_init}, states="online")
+    built = load_model(str(distill.run(cfg)), dtype="float32", device="cpu")
+    target = load_model(str(ws / "target"), dtype="float32", device="cpu")
+    expected = torch.ones_like(built.norm.weight) if norm_init == "ones" else target.model.norm.weight
+    torch.testing.assert_close(built.norm.weight, expected)
+
+
+def test_norm_init_takes_target_or_ones():
+    from specdec.train.kinds.dflash import DFlashOptions
+
+    with pytest.raises(ValueError, match="norm_init must be target or ones"):
+        DFlashOptions(norm_init="zeros")

@@ -65,6 +65,17 @@ def test_schedule_is_deterministic_and_covers_each_epoch_once():
         Schedule(lengths[:3], 8, seed=0, bucket=True)
 
 
+def test_an_epochs_padded_positions_count_each_process_slices_longest_row():
+    lengths = [3, 10, 4, 4, 9, 2, 8, 1]
+    one, two = Schedule(lengths, 4, seed=0, bucket=False), Schedule(lengths, 4, seed=0, bucket=False)
+    batches = epoch_batches(lengths, 4, 0, 0, False)
+    assert one.padded_positions(per_device=4) == sum(4 * max(lengths[i] for i in b) for b in batches)
+    # two processes of 2 rows: each step waits for the slower slice
+    assert two.padded_positions(per_device=2) == sum(
+        max(2 * max(lengths[i] for i in b[:2]), 2 * max(lengths[i] for i in b[2:])) for b in batches)
+    assert two.padded_positions(per_device=2) <= one.padded_positions(per_device=4)
+
+
 def test_collate_masks_completion_positions_and_aligns_topn():
     rows = {"input_ids": [[10, 11, 12, 13, 14], [20, 21, 22]], "prompt_length": [2, 2],
             "top_ids": [[[12, 1], [13, 1], [14, 1]], [[22, 3]]],

@@ -100,6 +100,15 @@ class Schedule:
         self.per_epoch = len(lengths) // global_batch
         self._epoch, self._batches = -1, []
 
+    def padded_positions(self, per_device: int, epoch: int = 0) -> int:
+        """Positions one epoch's steps compute, each process's micro-batch padded to its longest row: the slowest
+        process's, per step (the step waits for it). What an epoch costs, as against a few steps' rows."""
+        total = 0
+        for batch in epoch_batches(self.lengths, self.global_batch, self.seed, epoch, self.bucket):
+            slices = [batch[s:s + per_device] for s in range(0, len(batch), per_device)]
+            total += max(len(rows) * max(self.lengths[i] for i in rows) for rows in slices)
+        return total
+
     def __call__(self, m: int) -> list[int]:
         epoch = m // self.per_epoch
         if epoch != self._epoch:

@@ -135,6 +135,9 @@ class DFlashTraining(StatesTraining):
         mask = opts.mask_token_id if opts.mask_token_id >= 0 else None
         model = DFlashDraft.from_target(target, opts.dflash_layer_ids or None, kept_ids(cfg, target, vocabulary),
                                         opts.dflash_layers, opts.block_size, mask, cfg.seed)
+        if opts.norm_init == "ones":
+            with torch.no_grad():
+                model.norm.weight.fill_(1.0)
         self.take_draft(model, target, tokenizer, device, folders)
 
     def anchors(self, batch: dict) -> torch.Tensor:

@@ -101,6 +101,12 @@ class Distiller:
         self.flat_evals = 0  # evaluations in a row that did not raise the best tau by min_tau_gain
         self.evaluated_at: int | None = None
         self.stopped_by = "max_steps"
+        self.step_seconds: list[float] = []  # each optimizer step's wall time in this run: its pace (summary)
+        self.step_samples: list[int] = []  # and the samples it trained on (this process's; packed rows hold several)
+        self.step_tokens: list[int] = []  # and the tokens (this process's, as the log's tokens/s counts them)
+        self.step_positions: list[int] = []  # and the positions it computed (this process's, padding included)
+        self.eval_seconds: list[float] = []  # each evaluation's wall time (a new best's export included), and
+        self.save_seconds: list[float] = []  # each checkpoint's: what a run spends besides its steps
 
     def setup_data(self) -> None:
         """The training and held-out splits, the tokenizer and the batch schedule."""
@@ -262,6 +268,7 @@ class Distiller:
                 self.optimizer.zero_grad(set_to_none=True)
             loss_sum += loss.detach() / cfg.grad_accum_steps
             tokens += batch["n_tokens"]
+        self.last_positions = sum(batch["input_ids"].numel() for _, batch, _ in taken)
         self.scheduler.step()
         return loss_sum, tokens, step_ids
 
@@ -307,11 +314,14 @@ class Distiller:
             if self.main:
                 (self.out / "best" / "specdec_best.json").write_text(json.dumps({"step": step, **metrics}, indent=1))
         self.budget.note_eval(time.perf_counter() - started)
+        self.eval_seconds.append(time.perf_counter() - started)
 
     def save(self, step: int) -> None:
         state = {"step": step, "best": _jsonable(self.best), "train_seconds": self.budget.spent(),
                  "flat_evals": self.flat_evals, "run_id": self.run_id, "scheduler": self.scheduler.state_dict()}
+        started = time.perf_counter()
         save_checkpoint(self.accelerator, self.ckpt_root, step, state, self.cfg.keep_checkpoints)
+        self.save_seconds.append(time.perf_counter() - started)
 
     def aim_end(self, step: int, end: int) -> int:
         """Under max_minutes, the step the measured pace reaches in time (every process takes the earliest)."""
@@ -330,7 +340,7 @@ class Distiller:
             summary = {"final": str(final), "steps": step, "best": _jsonable(self.best), "device": str(self.device),
                        "processes": self.world, "mixed_precision": self.accelerator.mixed_precision,
                        "stopped_by": self.stopped_by,
-                       "train_minutes": self.budget.spent() / 60, "config": cfg.settings()}
+                       "train_minutes": self.budget.spent() / 60, "pace": self.pace(), "config": cfg.settings()}
             (self.out / "train_summary.json").write_text(json.dumps(summary, indent=1))
             log.info("final draft: %s (best tau(k=%d) %.3f at step %s -> %s)", final, cfg.best_k, self.best["tau"],
                      self.best["step"], self.out / "best")
@@ -358,7 +368,12 @@ class Distiller:
         self.budget.start_loop(step)
         while step < end:
             step += 1
+            started = time.perf_counter()
             loss, tokens, step_ids = self.train_step(step, micro_batches)
+            self.step_seconds.append(time.perf_counter() - started)
+            self.step_samples.append(len(step_ids))
+            self.step_tokens.append(int(tokens))
+            self.step_positions.append(self.last_positions)
             window["loss"] += loss
             window["tokens"] += tokens
             window["steps"] += 1
@@ -395,6 +410,25 @@ class Distiller:
         self.accelerator.end_training()
         return final
 
+    def pace(self) -> dict:
+        """Training's pace over this run's steps after its first (which also warms the kernels up and caches the
+        first batches), without evaluations or saves, all processes together: samples and tokens per second of
+        the steps taken, and `epoch_samples_per_second`, the whole training set's samples over what one epoch
+        would take at the seconds per computed position measured (a few steps' rows may be shorter or longer
+        than the epoch's: bucketed batches of long rows cost several short ones). `specdec demo` splits its
+        budget by that one. None before two steps."""
+        seconds, samples = sum(self.step_seconds[1:]), sum(self.step_samples[1:]) * self.world
+        tokens, positions = sum(self.step_tokens[1:]) * self.world, sum(self.step_positions[1:])
+        epoch = None
+        if seconds > 0 and positions and not self.cfg.pack:  # packed rows: no per-epoch positions to scale by
+            epoch_seconds = self.schedule.padded_positions(self.cfg.per_device_batch_size) * seconds / positions
+            epoch = self.schedule.per_epoch * self.schedule.global_batch / epoch_seconds
+        return {"steps_timed": len(self.step_seconds[1:]), "seconds": seconds,
+                "samples_per_second": samples / seconds if seconds > 0 else None,
+                "tokens_per_second": tokens / seconds if seconds > 0 else None,
+                "epoch_samples_per_second": epoch, "samples_per_step": self.schedule.global_batch * self.cfg.grad_accum_steps,
+                "eval_seconds": _mean(self.eval_seconds), "save_seconds": _mean(self.save_seconds)}
+
     def log_window(self, step: int, window: dict, bar) -> None:
         """Mean loss (a sync), learning rate and tokens/s since the last log step; the window then restarts."""
         mean_loss = self.accelerator.reduce(window["loss"], reduction="mean").item() / window["steps"]
@@ -406,6 +440,10 @@ class Distiller:
             if self.tracker is not None:
                 self.tracker.log({"train/loss": mean_loss, "train/lr": lr, "train/tokens_per_s": tok_s}, step=step)
         window.update(loss=torch.zeros((), device=self.device), tokens=0, steps=0, start=time.perf_counter())
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 def run(cfg: TrainConfig) -> Path:

@@ -33,6 +33,10 @@ class DFlashOptions(KindOptions):
     mask_token_id: int = -1  # the token the mask slots read; -1 = the target vocabulary's last id
     # Where the target's states come from per batch (train/eagle3_states.py): recorded, online or auto.
     states: str = "auto"
+    # The draft's final norm at the start: the target's final norm weights ("target"), or ones ("ones", as
+    # speculators' DFlash starts: a lower first loss, but a lower held-out tau at bench/peer_dflash.py's budget,
+    # docs/results/2026-12-05-peer-dflash.md).
+    norm_init: str = "target"
 
     def __post_init__(self) -> None:
         for name, low in (("block_size", 2), ("num_anchors", 1), ("dflash_layers", 1)):
@@ -40,6 +44,8 @@ class DFlashOptions(KindOptions):
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
         if not self.loss_decay > 0:
             raise ValueError(f"loss_decay must be > 0, got {self.loss_decay}")
+        if self.norm_init not in ("target", "ones"):
+            raise ValueError(f"norm_init must be target or ones, got {self.norm_init!r}")
         if self.states not in STATES_SOURCES:
             raise ValueError(f"states must be one of {', '.join(STATES_SOURCES)}, got {self.states!r}")
 

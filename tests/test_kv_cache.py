@@ -1,0 +1,57 @@
+"""specdec/kv.py's cache written in place (`PreallocatedLayer`, `new_cache`): every forward over it computes what it
+computed over transformers' DynamicCache, bit for bit, through appends, rollbacks, a tree round's `keep_path` and
+growth past the capacity it was made for; and the decoders that build it give the same tokens."""
+
+from __future__ import annotations
+
+import torch
+from conftest import ragged_prompts, tiny_llama
+from transformers import DynamicCache
+
+import specdec.kv as kv
+from specdec.decode import speculative_generate, target_generate
+
+
+def _feed(model, cache, ids: torch.Tensor, start: int) -> torch.Tensor:
+    positions = torch.arange(start, start + ids.shape[1])[None].expand(ids.shape[0], -1)
+    return model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True).logits
+
+
+def test_appends_rollbacks_paths_and_growth_match_dynamic_cache():
+    model = tiny_llama(seed=0)
+    ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(0))
+    inplace = kv.new_cache(model, capacity=12)  # smaller than what is fed: it must grow
+    plain = DynamicCache(config=model.config)
+    assert all(isinstance(layer, kv.PreallocatedLayer) for layer in inplace.layers)
+    steps = [("feed", 8), ("feed", 3), ("rollback", 9), ("feed", 4), ("path", (9, [10, 12])), ("feed", 1),
+             ("feed", 9), ("rollback", 15), ("feed", 6)]
+    for what, arg in steps:
+        length = inplace.get_seq_length()
+        assert length == plain.get_seq_length()
+        if what == "feed":
+            chunk = ids[:, length: length + arg]
+            assert torch.equal(_feed(model, inplace, chunk, length), _feed(model, plain, chunk, length))
+        elif what == "rollback":
+            kv.rollback(inplace, arg)
+            kv.rollback(plain, arg)
+        else:
+            kv.keep_path(inplace, *arg)
+            kv.keep_path(plain, *arg)
+        for a, b in zip(inplace.layers, plain.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    assert inplace.layers[0].capacity >= inplace.get_seq_length() > 12
+
+
+def test_the_decoders_give_the_same_tokens_over_either_cache(monkeypatch):
+    target, draft = tiny_llama(seed=0), tiny_llama(seed=1, layers=1)
+    ids, mask = ragged_prompts(3, 128, seed=4)
+    runs = {}
+    for name, make in (("inplace", kv.new_cache),
+                       ("dynamic", lambda model, capacity: DynamicCache(config=model.config))):
+        monkeypatch.setattr(kv, "new_cache", make)
+        base = target_generate(target, ids, mask, max_new_tokens=12, pad_token_id=0, top_logprobs=3)
+        spec = speculative_generate(target, draft, ids, mask, num_draft_tokens=3, max_new_tokens=12, pad_token_id=0)
+        tree = speculative_generate(target, draft, ids[:1, mask[0].bool()], tree="2x1x1", max_new_tokens=12)
+        runs[name] = (base.sequences, base.top_logprobs, spec.sequences, tree.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(runs["inplace"], runs["dynamic"]))
+    assert torch.equal(runs["inplace"][0], runs["inplace"][2])  # and the speculative output is the target's
