@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -194,8 +195,7 @@ def main() -> None:
             lines.append(f"| {rep} | {r['cache']} | {r['seconds']:.1f} | {r['tokens']} | "
                          f"{r['tokens'] / r['seconds']:.1f} | {ratio:.2f}x | {same}/{len(b['completions'])} | "
                          f"{same_top}/{len(b['top'])} |")
-    ratios.sort()
-    median = ratios[len(ratios) // 2] if len(ratios) % 2 else sum(ratios[len(ratios) // 2 - 1:][:2]) / 2
+    median = statistics.median(ratios)
     body = [f"- data settings: {Path(args.recipe).name}'s data section: batch_size {data.batch_size}, batch_tokens "
             f"{data.batch_tokens}, max_new_tokens {data.max_new_tokens}, top_logprobs {data.top_logprobs}, "
             f"record_features {data.record_features} (layers {data.eagle_aux_layer_ids}), dtype {data.dtype} "

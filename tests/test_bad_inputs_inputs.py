@@ -135,6 +135,12 @@ CASES = [
     ("held-out temperature zero", lambda c, b, o: [
         "train", "--target", c["target"], f"output_dir={o}", "heldout_temperatures=[0.7,0]"], 2,
      "heldout_temperatures must list finite temperatures > 0"),
+    ("DFlash norm start unknown", lambda c, b, o: [
+        "train", "--target", c["target"], f"output_dir={o}", "draft=dflash", "norm_init=zeros"], 2,
+     "norm_init must be target or ones, got 'zeros'"),
+    ("demo passes zero", lambda c, b, o: ["demo", "--plan", "train_passes=0"], 2, "train_passes > 0"),
+    ("demo probe of one step", lambda c, b, o: ["demo", "--plan", "probe_steps=1"], 2,
+     "probe_steps >= 2 (the first step is not timed)"),
 ]
 
 

@@ -101,12 +101,12 @@ class Distiller:
         self.flat_evals = 0  # evaluations in a row that did not raise the best tau by min_tau_gain
         self.evaluated_at: int | None = None
         self.stopped_by = "max_steps"
-        self.step_seconds: list[float] = []  # each optimizer step's wall time in this run: its pace (summary)
-        self.step_samples: list[int] = []  # and the samples it trained on (this process's; packed rows hold several)
-        self.step_tokens: list[int] = []  # and the tokens (this process's, as the log's tokens/s counts them)
-        self.step_positions: list[int] = []  # and the positions it computed (this process's, padding included)
-        self.eval_seconds: list[float] = []  # each evaluation's wall time (a new best's export included), and
-        self.save_seconds: list[float] = []  # each checkpoint's: what a run spends besides its steps
+        # This run's pace (summary): its steps after the first, summed (this process's samples, tokens as the
+        # log's tokens/s counts them, and positions computed, padding included), and each evaluation's and
+        # checkpoint's wall time (a new best's export included): what a run spends besides its steps.
+        self.timed = {"steps": -1, "seconds": 0.0, "samples": 0, "tokens": 0, "positions": 0}
+        self.eval_seconds: list[float] = []
+        self.save_seconds: list[float] = []
 
     def setup_data(self) -> None:
         """The training and held-out splits, the tokenizer and the batch schedule."""
@@ -370,10 +370,7 @@ class Distiller:
             step += 1
             started = time.perf_counter()
             loss, tokens, step_ids = self.train_step(step, micro_batches)
-            self.step_seconds.append(time.perf_counter() - started)
-            self.step_samples.append(len(step_ids))
-            self.step_tokens.append(int(tokens))
-            self.step_positions.append(self.last_positions)
+            self.time_step(time.perf_counter() - started, len(step_ids), tokens)
             window["loss"] += loss
             window["tokens"] += tokens
             window["steps"] += 1
@@ -410,6 +407,15 @@ class Distiller:
         self.accelerator.end_training()
         return final
 
+    def time_step(self, seconds: float, samples: int, tokens: int) -> None:
+        """Add a step to the pace, all but the run's first (it also warms the kernels up and caches batches)."""
+        timed = self.timed
+        timed["steps"] += 1
+        if timed["steps"]:
+            for key, value in (("seconds", seconds), ("samples", samples), ("tokens", tokens),
+                               ("positions", self.last_positions)):
+                timed[key] += value
+
     def pace(self) -> dict:
         """Training's pace over this run's steps after its first (which also warms the kernels up and caches the
         first batches), without evaluations or saves, all processes together: samples and tokens per second of
@@ -417,13 +423,14 @@ class Distiller:
         would take at the seconds per computed position measured (a few steps' rows may be shorter or longer
         than the epoch's: bucketed batches of long rows cost several short ones). `specdec demo` splits its
         budget by that one. None before two steps."""
-        seconds, samples = sum(self.step_seconds[1:]), sum(self.step_samples[1:]) * self.world
-        tokens, positions = sum(self.step_tokens[1:]) * self.world, sum(self.step_positions[1:])
+        timed = self.timed
+        seconds, positions = timed["seconds"], timed["positions"]
+        samples, tokens = timed["samples"] * self.world, timed["tokens"] * self.world
         epoch = None
         if seconds > 0 and positions and not self.cfg.pack:  # packed rows: no per-epoch positions to scale by
             epoch_seconds = self.schedule.padded_positions(self.cfg.per_device_batch_size) * seconds / positions
             epoch = self.schedule.per_epoch * self.schedule.global_batch / epoch_seconds
-        return {"steps_timed": len(self.step_seconds[1:]), "seconds": seconds,
+        return {"steps_timed": max(0, timed["steps"]), "seconds": seconds,
                 "samples_per_second": samples / seconds if seconds > 0 else None,
                 "tokens_per_second": tokens / seconds if seconds > 0 else None,
                 "epoch_samples_per_second": epoch, "samples_per_step": self.schedule.global_batch * self.cfg.grad_accum_steps,
