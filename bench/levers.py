@@ -4,6 +4,8 @@ acceptance?
     python bench/levers.py                                    # every lever: 160 steps x 4 rows each
     python bench/levers.py --levers baseline muon decay-1     # some of them
     python bench/levers.py --minutes 4 --levers ttt-1 ttt-3 ttt-5 --name ttt-budget    # one wall-clock budget
+    python bench/levers.py --data D --heldout H --batch 16 --max-length 1024 --base supervise_prompt=true \
+        --minutes 20 --levers ttt-1 ttt-3 --name ttt-demo-scale     # on recorded `specdec data` folders instead
 
 Every run is specdec's trainer (`specdec.train.distill.run`) at the demo recipe's train settings
 (recipes/smollm2-135m-eagle3.yaml) with one change (the lever), on the same recorded data (bench/peer.py's: the
@@ -67,6 +69,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--levers", nargs="+", default=DEFAULT_LEVERS, choices=list(LEVERS))
     parser.add_argument("--also", nargs="*", default=[], metavar="KEY=VALUE",
                         help="a combined run: these TrainConfig keys at once, e.g. optimizer=muon ttt_decay=1.0")
+    parser.add_argument("--data", type=Path, help="a recorded `specdec data` folder to train on instead of "
+                        "bench/peer.py's (the recipe's layers recorded)")
+    parser.add_argument("--heldout", type=Path, help="with --data: a recorded folder of answers to other prompts")
+    parser.add_argument("--base", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="settings of every run, the levers' baseline included")
     parser.add_argument("--steps", type=int, default=160, help="optimizer steps of every run")
     parser.add_argument("--minutes", type=float, default=0.0, help="instead: every run trains this many minutes")
     parser.add_argument("--batch", type=int, default=4)
@@ -85,6 +92,11 @@ def as_value(text: str):
         return json.loads(text)
     except json.JSONDecodeError:
         return text
+
+
+def peer_examples(folder: Path) -> int:
+    """The examples a `specdec data` folder's manifest counts."""
+    return json.loads((folder / "manifest.json").read_text())["counts"]["examples"]
 
 
 def child(spec: dict) -> None:
@@ -129,12 +141,18 @@ def main() -> None:
     args.work = args.work.resolve()
     data, heldout = args.work / "data", args.work / "data_heldout"
     started = time.perf_counter()
-    peer.make_data(data, "embedded:train", args.train_prompts, args.max_new_tokens, layer_ids)
-    peer.make_data(heldout, "embedded:heldout", args.heldout_prompts, args.max_new_tokens, layer_ids)
+    if args.data:
+        if not args.heldout:
+            raise SystemExit("--data needs --heldout (a folder of answers to prompts --data does not hold)")
+        data, heldout = args.data.resolve(), args.heldout.resolve()
+    else:
+        peer.make_data(data, "embedded:train", args.train_prompts, args.max_new_tokens, layer_ids)
+        peer.make_data(heldout, "embedded:heldout", args.heldout_prompts, args.max_new_tokens, layer_ids)
     data_minutes = (time.perf_counter() - started) / 60
     args.threads, args.seed = 1, 0
     base, _ = peer.run_settings(args, train_section, data, heldout)
     base["weight_decay"] = 0.0
+    base.update({k: as_value(v) for k, v in (item.split("=", 1) for item in args.base)})
     runs = {name: LEVERS[name] for name in args.levers}
     if args.also:
         runs["combined"] = {k: as_value(v) for k, v in (item.split("=", 1) for item in args.also)}
@@ -152,10 +170,13 @@ def main() -> None:
     budget = f"{args.minutes:g} minutes of training each" if args.minutes else f"{args.steps} optimizer steps each"
     body = "\n".join([
         f"Every run: specdec's EAGLE-3 trainer at {peer.RECIPE.name}'s train settings with the change shown, "
-        f"{budget}, {args.batch} samples a step, one thread, {args.parallel} runs at a time; float32 target "
-        f"states recorded once (bench/peer.py's data: {args.train_prompts} shipped training prompts, "
-        f"{args.heldout_prompts} held-out prompts, {args.max_new_tokens} new tokens; made in {data_minutes:.1f} "
-        "min this run, 0 = reused). Held-out figures by the trainer's replay of the saved draft: agreement = greedy "
+        f"{budget}, {args.batch} samples a step, one thread, {args.parallel} runs at a time, max_length "
+        f"{args.max_length}" + (f", every run with {json.dumps(args.base)}" if args.base else "") + "; "
+        + (f"data: {data} ({peer_examples(data)} examples), held-out: {heldout} ({peer_examples(heldout)} "
+           "examples), both recorded by `specdec data`" if args.data else
+           f"float32 target states recorded once (bench/peer.py's data: {args.train_prompts} shipped training "
+           f"prompts, {args.heldout_prompts} held-out prompts, {args.max_new_tokens} new tokens; made in "
+           f"{data_minutes:.1f} min this run, 0 = reused)") + ". Held-out figures by the trainer's replay of the saved draft: agreement = greedy "
         "agreement of the first proposal; top-1 @2, @3 = at the round's 2nd and 3rd proposal; tau(k) = mean "
         "accepted tokens per round, chain of k. Tokens/s = scored positions per second of the training loop.", "",
         "| run | change | steps | agreement | top-1 @2 | top-1 @3 | " + " | ".join(f"tau({k})" for k in KS)

@@ -3,6 +3,7 @@ micro-batches the steps happen to draw?
 
     python bench/train_memory_real.py --data runs/demo/data                 # its first shard vs 6 copies of it, seeds 0-2
     python bench/train_memory_real.py --data D --copies 10 --seeds 0 1 --steps 8
+    python bench/train_memory_real.py --data runs/demo/data --slice-tokens 0 4096   # whole micro-batches vs slices
 
 The small folder is the data folder's first shard; the large one is `--copies` copies of it (linked, not written
 again: the same rows, so the rows' lengths and states are the data's own). Each run trains `--steps` steps of the
@@ -10,7 +11,9 @@ recipe's train settings (default the demo's, recipes/smollm2-135m-eagle3.yaml: 1
 1024, recorded states, online teacher) in its own process with the loader in that process, sampling its anonymous
 memory (RssAnon) every 50 ms, and records the widest micro-batch its steps drew. The table says, per folder and
 seed, the peak and the widest batch: when the peak follows the widest batch and not the folder, memory is bounded
-by the batch shape (what `specdec train --plan` bounds), whatever the data's size.
+by the batch shape (what `specdec train --plan` bounds), whatever the data's size. `--slice-tokens` runs each
+case at each bound (train_config.py `slice_tokens`: a micro-batch's forward and backward in slices of rows), and the
+table adds the run's trained tokens/s over its timed steps (train_summary.json's pace).
 """
 
 from __future__ import annotations
@@ -54,7 +57,9 @@ batches.MicroBatches.__getitem__ = recorded
 spec = json.loads(sys.argv[1])
 cfg = load_config(TrainConfig, spec["recipe"], spec["overrides"], section="train")
 distill.run(cfg)
-print("MEMORY_RESULT " + json.dumps({"peak_anon_mb": peak[0], "widest": widest[0]}), flush=True)
+pace = json.load(open(cfg.output_dir + "/train_summary.json")).get("pace") or {}
+print("MEMORY_RESULT " + json.dumps({"peak_anon_mb": peak[0], "widest": widest[0],
+                                     "tokens_per_second": pace.get("tokens_per_second")}), flush=True)
 """
 
 
@@ -75,8 +80,9 @@ def linked_copies(data: Path, folder: Path, copies: int) -> Path:
     return folder
 
 
-def run(recipe: str, folder: Path, out: Path, steps: int, seed: int) -> dict:
+def run(recipe: str, folder: Path, out: Path, steps: int, seed: int, slice_tokens: int) -> dict:
     overrides = [f"train_data={folder}", f"output_dir={out}", "overwrite=true", f"max_steps={steps}",
+                 f"slice_tokens={slice_tokens}",
                  "max_minutes=null", "eval_every=0", "stop_after_flat_evals=0", "save_every=0", f"seed={seed}",
                  "data_workers=0", f"log_every={steps}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
@@ -94,25 +100,31 @@ def main() -> None:
     parser.add_argument("--copies", type=int, default=6)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--slice-tokens", type=int, nargs="+", default=[0],
+                        help="slice_tokens values to run each case at (0 = whole micro-batches)")
     args = parser.parse_args()
     provenance = results.header("Training's host memory on a real data folder")
     work = Path(tempfile.mkdtemp(prefix="train-memory-real-"))
     small = linked_copies(args.data.resolve(), work / "small", 1)
     large = linked_copies(args.data.resolve(), work / "large", args.copies)
     rows_per_shard = json.loads((small / "manifest.json").read_text())["shards"][0]["examples"]
-    table = ["| folder | samples | seed | widest micro-batch drawn | peak RssAnon |", "|---|---:|---:|---|---:|"]
-    for name, folder, copies in (("first shard", small, 1), (f"{args.copies} copies", large, args.copies)):
-        for seed in args.seeds:
-            out = run(args.recipe, folder, work / f"run-{name}-{seed}", args.steps, seed)
-            rows, width = out["widest"]
-            table.append(f"| {name} | {rows_per_shard * copies} | {seed} | {rows} x {width} tokens | "
-                         f"{out['peak_anon_mb']:.0f} MB |")
-            print(table[-1], flush=True)
+    table = ["| slice_tokens | folder | samples | seed | widest micro-batch drawn | peak RssAnon | trained tokens/s |",
+             "|---:|---|---:|---:|---|---:|---:|"]
+    for slice_tokens in args.slice_tokens:
+        for name, folder, copies in (("first shard", small, 1), (f"{args.copies} copies", large, args.copies)):
+            for seed in args.seeds:
+                out = run(args.recipe, folder, work / f"run-{name}-{seed}-{slice_tokens}", args.steps, seed,
+                          slice_tokens)
+                rows, width = out["widest"]
+                rate = out.get("tokens_per_second")
+                table.append(f"| {slice_tokens} | {name} | {rows_per_shard * copies} | {seed} | {rows} x {width} tokens "
+                             f"| {out['peak_anon_mb']:.0f} MB | {f'{rate:.0f}' if rate else '—'} |")
+                print(table[-1], flush=True)
     shutil.rmtree(work, ignore_errors=True)
     body = "\n".join([
         f"{args.steps} training steps of {args.recipe}'s train settings on `{args.data.name}`'s first shard "
         f"({rows_per_shard} samples) and on {args.copies} copies of it, each seed a different batch order; one "
-        "process each, the loader in it, RssAnon sampled every 50 ms.", "", *table, ""])
+        "process each, one thread, the loader in it, RssAnon sampled every 50 ms.", "", *table, ""])
     print(body)
     print(f"written to {results.write('train-memory-real', 'Training host memory on a real data folder', body, provenance)}")
 

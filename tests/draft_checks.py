@@ -87,3 +87,14 @@ def run_logging_losses(cfg, run_dir: Path):
     history = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
     loss = [float(m.split("loss ")[1].split()[0]) for m in messages if m.startswith("step ") and " loss " in m]
     return final, history, loss
+
+
+def same_loss_and_gradients(reference: tuple, other: tuple) -> None:
+    """Two (loss, {parameter name: gradient}) pairs of the same draft on the same samples agree to float rounding
+    (the reference's loss not zero, so the comparison can fail)."""
+    (loss_a, grads_a), (loss_b, grads_b) = reference, other
+    assert float(loss_a) > 0
+    torch.testing.assert_close(loss_b, loss_a, atol=1e-5, rtol=1e-5)
+    assert grads_a.keys() == grads_b.keys() and grads_a
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], atol=1e-5, rtol=1e-4, msg=name)

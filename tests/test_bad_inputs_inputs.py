@@ -138,6 +138,12 @@ CASES = [
     ("DFlash norm start unknown", lambda c, b, o: [
         "train", "--target", c["target"], f"output_dir={o}", "draft=dflash", "norm_init=zeros"], 2,
      "norm_init must be target or ones, got 'zeros'"),
+    ("slices for a plain draft", lambda c, b, o: [
+        "train", "--target", c["target"], f"output_dir={o}", "draft=derived", "slice_tokens=4096"], 2,
+     "slice_tokens is for draft=eagle3 or peagle or dflash"),
+    ("negative slice bound", lambda c, b, o: [
+        "train", "--target", c["target"], f"output_dir={o}", "draft=eagle3", "slice_tokens=-1"], 2,
+     "slice_tokens must be >= 0"),
     ("demo passes zero", lambda c, b, o: ["demo", "--plan", "train_passes=0"], 2, "train_passes > 0"),
     ("demo probe of one step", lambda c, b, o: ["demo", "--plan", "probe_steps=1"], 2,
      "probe_steps >= 2 (the first step is not timed)"),

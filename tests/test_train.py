@@ -400,11 +400,12 @@ def _logged_losses(text: str) -> list[float]:
     return [float(line.split(" loss ")[1].split()[0]) for line in text.splitlines() if " loss " in line and "step " in line]
 
 
-def two_processes_train_as_one(workspace: Path, tmp_path: Path, caplog, train: dict):
+def two_processes_train_as_one(workspace: Path, tmp_path: Path, caplog, train: dict, two_only: dict | None = None):
     """The `train` keys (3 steps, float32) under `accelerate launch` with two gloo processes (tmp_path/two) and in
-    one process at the same global batch (tmp_path/one): the same per-step losses and final weights. Returns (the
-    two-process run's final weights, both runs' eval.jsonl records)."""
-    recipe = _recipe(workspace, tmp_path / "two.yaml", tmp_path / "two", **train)
+    one process at the same global batch (tmp_path/one): the same per-step losses and final weights. `two_only`:
+    keys of the two-process run alone. Returns (the two-process run's final weights, both runs' eval.jsonl
+    records)."""
+    recipe = _recipe(workspace, tmp_path / "two.yaml", tmp_path / "two", **train, **(two_only or {}))
     proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                            "-m", "specdec.train", "--config", str(recipe)],

@@ -21,6 +21,7 @@ which kind it holds.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -55,6 +56,7 @@ from specdec.train.budget import TimeBudget
 from specdec.train.checkpoints import ConsumedLog, export_draft, save_checkpoint
 from specdec.train.data import read_manifest
 from specdec.train.draft import DERIVED, SCRATCH
+from specdec.train.slices import slices
 from specdec.train.train_config import TEACHERS, TrainConfig  # noqa: F401  (its home for callers)
 
 log = logging.getLogger(__name__)
@@ -260,13 +262,17 @@ class Distiller:
             m = (step - 1) * cfg.grad_accum_steps + micro
             step_ids += micro_ids
             with acc.accumulate(self.model):
-                loss = self.kind.loss(self.model, batch, m, self.rank, ahead, denominators)
-                acc.backward(loss)
+                parts = slices(batch, ahead, cfg.slice_tokens)
+                for i, (part, part_ahead) in enumerate(parts):
+                    # the processes' gradients meet once, after the micro-batch's last slice
+                    with acc.no_sync(self.model) if i < len(parts) - 1 else contextlib.nullcontext():
+                        loss = self.kind.loss(self.model, part, m, self.rank, part_ahead, denominators)
+                        acc.backward(loss)
+                    loss_sum += loss.detach() / cfg.grad_accum_steps
                 if acc.sync_gradients and cfg.max_grad_norm > 0:
                     acc.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
-            loss_sum += loss.detach() / cfg.grad_accum_steps
             tokens += batch["n_tokens"]
         self.last_positions = sum(batch["input_ids"].numel() for _, batch, _ in taken)
         self.scheduler.step()

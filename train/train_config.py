@@ -111,6 +111,11 @@ class TrainConfig:
     # Each micro-batch's samples packed into rows of at most max_length tokens, every attention, position and loss
     # kept within its sample (no padding computed; the same loss as unpacked); for kinds whose facts allow packing
     pack: bool = False
+    # Each micro-batch's forward and backward run in slices of whole rows of at most this many padded positions
+    # (rows x the batch's width), so the memory peak follows this bound rather than the widest micro-batch the
+    # data draws; the same gradient (train/slices.py). For kinds whose loss divides by the step's scored positions.
+    # 0 = the whole micro-batch at once.
+    slice_tokens: int = 0
     # Loader processes that collate micro-batches (and read recorded states) ahead of the step; 0 = the training
     # process does it.
     data_workers: int = 1
@@ -170,6 +175,8 @@ class TrainConfig:
         check_minutes(self.max_minutes)
         if self.overwrite and self.resume_from:
             raise ValueError("overwrite=true starts afresh and resume_from continues a run: pass one of them")
+        if self.slice_tokens < 0:
+            raise ValueError(f"slice_tokens must be >= 0 (0 = whole micro-batches), got {self.slice_tokens}")
         if min(self.warmup_steps, self.eval_every, self.save_every, self.data_workers, self.stop_after_flat_evals,
                self.min_tau_gain) < 0:
             raise ValueError("warmup_steps, eval_every, save_every, data_workers, stop_after_flat_evals and "

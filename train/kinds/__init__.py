@@ -76,6 +76,10 @@ def check(cfg) -> None:
     if cfg.pack and not facts.packing:
         raise ValueError(f"pack=true is for {kinds_with('packing')} ({name}'s attention would cross the packed "
                          "samples' boundaries)")
+    if cfg.slice_tokens and not facts.row_slices:
+        raise ValueError(f"slice_tokens is for {kinds_with('row_slices')} ({name}'s loss is each micro-batch's own "
+                         "mean, which slices would change): set slice_tokens=0 and bound memory with "
+                         "per_device_batch_size and grad_accum_steps")
 
 
 register(PLAIN)

@@ -27,6 +27,9 @@ class TrainingFacts:
     packing: bool = False  # pack=true keeps packed samples apart (attention, positions, loss)
     reads_target_states: bool = False  # reads the target's hidden states: the target runs in every step
     replicated: bool = False  # trains with DDP only: small enough to replicate, called outside its wrapped forward
+    # its loss divides by the step's scored positions (`KindRun.counts`), so a micro-batch may run in slices of
+    # rows (slice_tokens) with the same gradient
+    row_slices: bool = False
     default_vocab_size: int = 0  # draft_vocab_size=auto over a larger vocabulary (0: the full one)
 
 

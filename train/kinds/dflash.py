@@ -53,7 +53,7 @@ class DFlashOptions(KindOptions):
 class DFlashTrainingKind:
     name = NAME
     facts = TrainingFacts(
-        teachers=("online", "offline"), lora=False, packing=True, reads_target_states=True,
+        teachers=("online", "offline"), lora=False, packing=True, reads_target_states=True, row_slices=True,
         # its loss and replay call the module outside its wrapped forward, which sharded parameters do not allow
         replicated=True, default_vocab_size=DEFAULT_VOCAB)
     options = DFlashOptions

@@ -27,14 +27,16 @@ def dflash_plan(ctx: PlanContext) -> KindPlan:
     model.lm_head.weight.requires_grad_(False)
     dw, width = Widths.of(config), (1 + len(ids)) * tw.hidden
     online, states_why = states_online(cfg)
-    fix = ctx.activation_fix(f", num_anchors (now {opts.num_anchors}) or block_size (now {opts.block_size})")
-    acts = dflash_activations(b, s, opts.num_anchors, opts.block_size, opts.dflash_layers, dw, len(ids),
+    fix = ctx.activation_fix(f", num_anchors (now {opts.num_anchors}), block_size (now {opts.block_size}) or "
+                             f"slice_tokens (now {cfg.slice_tokens})")
+    rows = ctx.forward_rows  # what one forward and backward holds (slice_tokens)
+    acts = dflash_activations(rows, s, opts.num_anchors, opts.block_size, opts.dflash_layers, dw, len(ids),
                               ctx.draft_vocab, ctx.half)
     plan = KindPlan(model, fix, _heldout_bytes(ctx, dw, len(ids), online), frozen_note=": the target's "
                     "embedding table and head rows", target_why="loaded whole where its states are computed "
                     "online (recorded states: its embedding, norm and head only)")
     plan.step = [Term("target states (input)", 4 * b * s * width, f"float32 [B, S, {width}]", fix),
-                 Term("activations", acts, f"B={b}, S={s}, num_anchors={opts.num_anchors}, block_size="
+                 Term("activations", acts, f"B={rows}, S={s}, num_anchors={opts.num_anchors}, block_size="
                       f"{opts.block_size}, {opts.dflash_layers} layers, draft vocab {ctx.draft_vocab}", fix)]
     teacher_and_states_terms(ctx, plan, len(ids), online, states_why)
     return plan

@@ -60,7 +60,7 @@ class Eagle3TrainingKind:
     name = NAME
     facts = TrainingFacts(
         # its unrolled steps already show it its own proposals: no on-policy teacher
-        teachers=("online", "offline"), lora=False, packing=True, reads_target_states=True,
+        teachers=("online", "offline"), lora=False, packing=True, reads_target_states=True, row_slices=True,
         # one decoder layer and a head: replicated whole, and its loss and replay call the module outside its
         # wrapped forward, which sharded parameters do not allow
         replicated=True, default_vocab_size=DEFAULT_VOCAB)

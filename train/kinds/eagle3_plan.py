@@ -35,15 +35,16 @@ def eagle3_plan(ctx: PlanContext) -> KindPlan:
         model.lm_head.requires_grad_(False)
     dw, aux, width = Widths.of(config), len(ids), (1 + len(ids)) * tw.hidden
     online, states_why = states_online(cfg)
-    fix = ctx.activation_fix(f" or ttt_steps (now {opts.ttt_steps})")
-    acts = eagle3_activations(b, s, opts.ttt_steps, dw, ctx.draft_vocab, aux, ctx.half, cfg.teacher, cfg.loss,
+    fix = ctx.activation_fix(f", ttt_steps (now {opts.ttt_steps}) or slice_tokens (now {cfg.slice_tokens})")
+    rows = ctx.forward_rows  # what one forward and backward holds (slice_tokens)
+    acts = eagle3_activations(rows, s, opts.ttt_steps, dw, ctx.draft_vocab, aux, ctx.half, cfg.teacher, cfg.loss,
                               ctx.top_n)
     plan = KindPlan(model, fix, _heldout_bytes(ctx, dw, aux, online), frozen_note=": the target's embedding table",
                     target_why="loaded whole where its states are computed online (recorded states: its "
                     "embedding, norm and head only)")
     plan.step = [Term("target states (input)", 4 * b * s * width, f"float32 [B, S, {width}]", fix),
                  Term("activations", acts["peak"],
-                      f"B={b}, S={s}, ttt_steps={opts.ttt_steps}, draft vocab {ctx.draft_vocab}", fix)]
+                      f"B={rows}, S={s}, ttt_steps={opts.ttt_steps}, draft vocab {ctx.draft_vocab}", fix)]
     teacher_and_states_terms(ctx, plan, aux, online, states_why)
     return plan
 
@@ -52,14 +53,14 @@ def teacher_and_states_terms(ctx: PlanContext, plan: KindPlan, aux: int, online:
     """The terms of every draft that reads the target's states (EAGLE-3, DFlash): the online teacher's head rows,
     the online target forward that computes the states, and the recorded states' reads and disk."""
     cfg, tw, b, s = ctx.cfg, ctx.tw, ctx.cfg.per_device_batch_size, ctx.cfg.max_length
-    width = (1 + aux) * tw.hidden
+    width, rows = (1 + aux) * tw.hidden, ctx.forward_rows  # a slice's rows run the target (slice_tokens)
     if cfg.teacher == "online":
         plan.resident.append(Term("online teacher head rows", ctx.tbytes * ctx.draft_vocab * tw.hidden,
                                   f"[{ctx.draft_vocab}, {tw.hidden}] {str(ctx.target_dtype)[6:]}",
                                   f"draft_vocab_size (now {ctx.draft_vocab})"))
     if online:
         plan.phases["target forward (online states)"] = [Term(
-            "target forward", target_forward_bytes(b, s, tw, ctx.tbytes, width) + b * s * width * (ctx.tbytes + 4),
+            "target forward", target_forward_bytes(rows, s, tw, ctx.tbytes, width) + rows * s * width * (ctx.tbytes + 4),
             f"{states_why}; without grad, its states cast to float32",
             "record the states in the data stage (record_features=true, then states=recorded) or lower "
             f"per_device_batch_size (now {b}) / max_length (now {s})")]

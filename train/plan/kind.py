@@ -32,6 +32,15 @@ class PlanContext:
     def tbytes(self) -> int:
         return torch.finfo(self.target_dtype).bits // 8
 
+    @property
+    def forward_rows(self) -> int:
+        """Rows one forward and backward holds: the micro-batch's, or as many max_length rows as slice_tokens
+        allows (train/slices.py)."""
+        cfg = self.cfg
+        if cfg.slice_tokens:
+            return min(cfg.per_device_batch_size, max(1, cfg.slice_tokens // cfg.max_length))
+        return cfg.per_device_batch_size
+
     def activation_fix(self, more: str = "") -> str:
         """The fix named when activations are the largest term; `more`: the kind's own lever (", ttt_steps ...")."""
         cfg = self.cfg
