@@ -127,6 +127,14 @@ def train(args, name: str, changes: dict, base: dict) -> dict:
     return result
 
 
+def shown(folder: Path) -> str:
+    """A data folder as the page names it: relative to the repository where it lies inside it (no path of the
+    machine that ran the bench)."""
+    root = Path(__file__).resolve().parents[1]
+    folder = Path(folder).resolve()
+    return str(folder.relative_to(root)) if folder.is_relative_to(root) else folder.name
+
+
 def main() -> None:
     args = parse_args()
     if args.child:
@@ -172,7 +180,8 @@ def main() -> None:
         f"Every run: specdec's EAGLE-3 trainer at {peer.RECIPE.name}'s train settings with the change shown, "
         f"{budget}, {args.batch} samples a step, one thread, {args.parallel} runs at a time, max_length "
         f"{args.max_length}" + (f", every run with {json.dumps(args.base)}" if args.base else "") + "; "
-        + (f"data: {data} ({peer_examples(data)} examples), held-out: {heldout} ({peer_examples(heldout)} "
+        + (f"data: {shown(data)} ({peer_examples(data)} examples), held-out: {shown(heldout)} "
+           f"({peer_examples(heldout)} "
            "examples), both recorded by `specdec data`" if args.data else
            f"float32 target states recorded once (bench/peer.py's data: {args.train_prompts} shipped training "
            f"prompts, {args.heldout_prompts} held-out prompts, {args.max_new_tokens} new tokens; made in "
