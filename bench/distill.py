@@ -9,7 +9,8 @@ number of optimizer steps on the same data; two run side by side with one thread
 machine's two cores), so their wall-clock minutes compare with each other but not with a two-thread run.
 Each final draft is then scored teacher-forced on every held-out folder (all rows): greedy top-1 agreement
 with the target and the simulated mean accepted tokens tau(k) for k = 1..8 (exact for greedy decoding: the
-draft sees the target's own prefix at every position). Prints a markdown table and writes results.jsonl.
+draft sees the target's own prefix at every position). Prints a markdown table and writes results.jsonl, and with
+`--name N` docs/results/<date>-N.md.
 `--base recipe` trains every variant on the recipe's own settings instead of BASE, e.g. the EAGLE-3 draft:
 
     python bench/distill.py --recipe recipes/smollm2-135m-eagle3.yaml --base recipe \
@@ -32,6 +33,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import results  # bench/results.py (this script runs with bench/ on its path)
 
 # name -> overrides on top of BASE: an offline forward-KL draft from target layers 0, 1, 29, 8192-id head.
 VARIANTS = {
@@ -138,7 +141,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per variant")
     parser.add_argument("--set", nargs="*", default=[], help="extra key=value overrides for every variant")
     parser.add_argument("--out", default="runs/bench-distill")
+    parser.add_argument("--name", help="also write the table to docs/results/<date>-<name>.md")
     args = parser.parse_args()
+    provenance = results.header("Drafts scored teacher-forced on held-out data") if args.name else None
     if not args.score and not args.train_data:
         parser.error("give --train-data to train variants, or --score NAME=DIR to score trained drafts")
     out_root = Path(args.out)
@@ -152,15 +157,19 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(min(args.threads * args.parallel, os.cpu_count() or 1))  # scoring runs alone
-    results = [score(r, args.heldout, args.target) for r in trained]
+    scored = [score(r, args.heldout, args.target) for r in trained]
     with open(out_root / "results.jsonl", "a") as f:
-        for r in results:
+        for r in scored:
             f.write(json.dumps({**r, "steps": None if args.score else args.steps, "recipe": args.recipe,
                                 "base": BASE if args.base == "plain" else "recipe", "set": args.set}) + "\n")
     labels = [h.split("=", 1)[0] for h in args.heldout]
     if not args.score:
         print(f"{args.steps} optimizer steps per variant, {args.parallel} at once x {args.threads} thread(s)")
-    print(table(results, labels))
+    print(table(scored, labels))
+    if args.name:
+        what = "trained drafts scored" if args.score else f"{args.steps} optimizer steps per variant"
+        body = "\n".join([f"{what}; held-out folders: " + ", ".join(args.heldout) + ".", "", table(scored, labels)])
+        print(f"written to {results.write(args.name, 'Drafts scored teacher-forced on held-out data', body, provenance)}")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,12 @@ every core, sampling the process's RssAnon every 0.5 s with the step it was in. 
 - `mmap-4m`: MALLOC_MMAP_THRESHOLD_=4194304, a fixed threshold (glibc then stops raising it as large blocks are
   freed, so every tensor of 4 MiB or more is its own mapping, unmapped when freed);
 - `mmap-64k`: MALLOC_MMAP_THRESHOLD_=65536;
-- `fp32`: mixed_precision=no (no bf16 kernels: separates oneDNN's per-shape caches from the allocator).
+- `fp32`: mixed_precision=no (no bf16 kernels: separates oneDNN's per-shape caches from the allocator);
+- `pad-1`, `pad-64`, `pad-128`: pad_to_multiple_of=1 / 64 / 128 (1: each batch as wide as its longest row, one
+  width and slice height per batch; 64 and 128: a few widths, the same block sizes freed and taken again). The
+  demo recipe sets 64, so there `default` is `pad-64`.
+
+`--repeats R` runs the variants in turn R times; each row is compared with `default` of its own round.
 
 The table gives RssAnon at a few steps, the peak, and the run's trained tokens/s (train_summary.json's pace),
 each against `default` of the same run.
@@ -41,6 +46,9 @@ VARIANTS: dict[str, dict] = {
     "mmap-4m": {"env": {"MALLOC_MMAP_THRESHOLD_": "4194304"}},
     "mmap-64k": {"env": {"MALLOC_MMAP_THRESHOLD_": "65536"}},
     "fp32": {"overrides": ["mixed_precision=no"]},
+    "pad-1": {"overrides": ["pad_to_multiple_of=1"]},
+    "pad-64": {"overrides": ["pad_to_multiple_of=64"]},
+    "pad-128": {"overrides": ["pad_to_multiple_of=128"]},
 }
 
 CHILD = r"""
@@ -105,29 +113,32 @@ def main() -> None:
     parser.add_argument("--recipe", default=RECIPE)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of every variant, in turn")
     parser.add_argument("--name", default="host-memory", help="docs/results/<date>-<name>.md")
     args = parser.parse_args()
     args.data = args.data.resolve()
     provenance = results.header("Host memory over a training run's steps")
     marks = sorted({max(1, args.steps // 6), args.steps // 3, 2 * args.steps // 3, args.steps})
     work = Path(tempfile.mkdtemp(prefix="host-memory-"))
-    outcome = {name: run(args, name, work / name) for name in args.variants}
+    rounds = [{name: run(args, name, work / name) for name in args.variants} for _ in range(args.repeats)]
     shutil.rmtree(work, ignore_errors=True)
-    base = outcome.get("default")
     head = "| variant | " + " | ".join(f"RssAnon at step {m}" for m in marks) + " | peak | trained tokens/s | vs default |"
     rows = [head, "|---|" + "---:|" * (len(marks) + 3)]
-    for name, out in outcome.items():
-        values = [at_step(out["samples"], m) for m in marks]
-        peak = max(mb for _, mb in out["samples"])
-        rate = out["tokens_per_second"] or float("nan")
-        versus = f"x{rate / base['tokens_per_second']:.2f}" if base and base["tokens_per_second"] else "—"
-        rows.append(f"| {name} | " + " | ".join("—" if v is None else f"{v:.0f} MB" for v in values)
-                    + f" | {peak:.0f} MB | {rate:.0f} | {versus} |")
-        print(rows[-1], flush=True)
+    for r, outcome in enumerate(rounds):
+        base = outcome.get("default")
+        for name, out in outcome.items():
+            values = [at_step(out["samples"], m) for m in marks]
+            peak = max(mb for _, mb in out["samples"])
+            rate = out["tokens_per_second"] or float("nan")
+            versus = f"x{rate / base['tokens_per_second']:.2f}" if base and base["tokens_per_second"] else "—"
+            label = f"{name} (round {r + 1})" if args.repeats > 1 else name
+            rows.append(f"| {label} | " + " | ".join("—" if v is None else f"{v:.0f} MB" for v in values)
+                        + f" | {peak:.0f} MB | {rate:.0f} | {versus} |")
+            print(rows[-1], flush=True)
     examples = json.loads((args.data / "manifest.json").read_text())["counts"]["examples"]
     body = "\n".join([
         f"{args.steps} training steps of {args.recipe}'s train settings on `{args.data.name}` ({examples} examples), "
-        "each variant in its own process, one at a time on every core, the loader in a worker process (not counted); "
+        f"each variant in its own process, {args.repeats} round(s) of them in turn, one at a time on every core, the loader in a worker process (not counted); "
         "RssAnon sampled every 0.5 s and read at the last sample by each step. Variants: " + "; ".join(
             f"`{name}` {json.dumps(VARIANTS[name]) if VARIANTS[name] else '(as specdec trains)'}"
             for name in args.variants) + ".", "", *rows, ""])

@@ -15,19 +15,21 @@ RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 
 
 def cpu_model() -> str:
-    """The CPU's model name (lscpu's, else the platform's) and whether it computes bf16 natively."""
-    name = platform.processor() or platform.machine()
+    """The CPU's model name (lscpu's, else the platform's), its family and model numbers (a virtual machine often
+    names every EPYC generation "AMD EPYC"; the numbers tell them apart) and whether it computes bf16 natively."""
+    name, numbers = platform.processor() or platform.machine(), ""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-        flags = Path("/proc/cpuinfo").read_text()
-        extra = "AVX-512 + bf16" if "avx512_bf16" in flags else "AVX-512" if "avx512f" in flags else "AVX2" \
-            if "avx2" in flags else "no AVX2"
+        text = Path("/proc/cpuinfo").read_text()
+        first = dict(line.split(":", 1) for line in text.split("\n\n")[0].splitlines() if ":" in line)
+        first = {k.strip(): v.strip() for k, v in first.items()}
+        name = first.get("model name", name)
+        if "cpu family" in first and "model" in first:
+            numbers = f"family {first['cpu family']} model {first['model']}, "
+        extra = "AVX-512 + bf16" if "avx512_bf16" in text else "AVX-512" if "avx512f" in text else "AVX2" \
+            if "avx2" in text else "no AVX2"
     except OSError:
         extra = "flags unknown"
-    return f"{name} ({extra}, {os.cpu_count()} cores)"
+    return f"{name} ({numbers}{extra}, {os.cpu_count()} cores)"
 
 
 def commit() -> str:

@@ -144,6 +144,9 @@ CASES = [
     ("negative slice bound", lambda c, b, o: [
         "train", "--target", c["target"], f"output_dir={o}", "draft=eagle3", "slice_tokens=-1"], 2,
      "slice_tokens must be >= 0"),
+    ("padding to a multiple of zero", lambda c, b, o: [
+        "train", "--target", c["target"], f"output_dir={o}", "pad_to_multiple_of=0"], 2,
+     "pad_to_multiple_of must be >= 1"),
     ("demo passes zero", lambda c, b, o: ["demo", "--plan", "train_passes=0"], 2, "train_passes > 0"),
     ("demo probe of one step", lambda c, b, o: ["demo", "--plan", "probe_steps=1"], 2,
      "probe_steps >= 2 (the first step is not timed)"),

@@ -91,6 +91,29 @@ def test_bad_sampling_mixes_are_refused(kw, error):
         DataConfig(**kw)
 
 
+def test_the_work_list_holds_every_prompts_first_answer_before_any_second():
+    import random
+
+    tok = tiny_tokenizer()
+    words = ["explain the sum", "write a list of numbers and more numbers", "what is the city water", "tell a story"]
+    prompts = [Prompt(f"p{i}", None, [{"role": "user", "content": words[i % 4] * (1 + i % 3)}]) for i in range(12)]
+    cfg = DataConfig(target="unused", prompts="unused", temperatures=[0, 0.8], num_samples=2, seed=5)
+    items, _, _ = plan_items(prompts, tok, cfg, None)
+    assert [i.sample_index for i in items] == [0] * 12 + [1] * 12  # a run cut at half holds all 12 prompts once
+    assert {i.prompt.prompt_id for i in items[:12]} == {p.prompt_id for p in prompts}
+    assert all(i.temperature == 0.0 for i in items[:12]) and all(i.temperature == 0.8 for i in items[12:])
+    assert [i.prompt.prompt_id for i in items[12:]] != [i.prompt.prompt_id for i in items[:12]]  # each shuffled
+    # One answer per prompt: the order of the folders made before (one seeded shuffle, the longest item first).
+    one, _, _ = plan_items(prompts, tok, DataConfig(target="unused", prompts="unused", seed=5), None)
+    before, _, _ = plan_items(prompts, tok, DataConfig(target="unused", prompts="unused", shuffle=False), None)
+    random.Random(5).shuffle(before)
+    longest = max(range(len(before)), key=lambda i: before[i].first_length)
+    before.insert(0, before.pop(longest))
+    assert [i.prompt.prompt_id for i in one] == [i.prompt.prompt_id for i in before]
+    assert fingerprinted_settings(cfg)["work_order"] == "first answers first"
+    assert "work_order" not in fingerprinted_settings(DataConfig())
+
+
 def test_sampling_lists_change_the_fingerprint_only_when_set():
     assert "temperatures" not in fingerprinted_settings(DataConfig())
     assert fingerprinted_settings(DataConfig(temperatures=[0, 0.7]))["temperatures"] == [0, 0.7]

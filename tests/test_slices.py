@@ -168,3 +168,35 @@ def test_a_dflash_run_in_slices_ends_with_the_weights_of_one_in_whole_micro_batc
     assert whole.keys() == sliced.keys()
     for name in whole:
         torch.testing.assert_close(sliced[name], whole[name], atol=2e-5, rtol=1e-4, msg=name)
+
+
+def test_padding_to_a_multiple_rounds_the_width_and_changes_no_loss_or_gradient():
+    """pad_to_multiple_of: a batch padded to a multiple of 16 positions (train/batches.py padded_width) has the
+    same masks on its real positions, nothing scored past them, and the same EAGLE-3 loss and gradients."""
+    target = tiny_llama(seed=0, layers=4)
+    g = torch.Generator().manual_seed(3)
+    rows = {"input_ids": [torch.randint(4, VOCAB, (n,), generator=g).tolist() for n in (9, 5, 12)],
+            "prompt_length": [3, 2, 5]}
+    tight = collate(rows, pad_id=0, max_length=40, prompt_positions=True)
+    wide = collate(rows, pad_id=0, max_length=40, prompt_positions=True, multiple=16)
+    assert tight["input_ids"].shape[1] == 12 and wide["input_ids"].shape[1] == 16
+    assert collate(rows, pad_id=0, max_length=14, multiple=16)["input_ids"].shape[1] == 14  # never past max_length
+    for key in ("input_ids", "attention_mask", "loss_mask"):
+        assert torch.equal(wide[key][:, :12], tight[key]) and not wide[key][:, 12:].any()
+    assert wide["n_tokens"] == tight["n_tokens"]
+    assert pack(tight, max_length=40, multiple=16)["input_ids"].shape[1] == 32  # 26 packed tokens, rounded up
+
+    draft = Eagle3Draft.from_target(target, LAYERS, keep_ids=torch.arange(60), seed=1)
+    cfg = TrainConfig(draft="eagle3", teacher="online", ttt_steps=3, eagle_aux_layer_ids=LAYERS)
+    inv = losses.target_to_draft_map(draft.draft_to_target, VOCAB)
+    head = teacher_head(target.get_output_embeddings(), draft.kept_ids())
+    run = Eagle3Training.__new__(Eagle3Training)  # its counts, without a trainer around it
+    run.cfg, run.inv_map, run.model = cfg, inv, draft
+    results = []
+    for batch in (tight, wide):
+        states = target_states(target, batch["input_ids"], batch["attention_mask"], LAYERS, final=True).float()
+        draft.zero_grad()
+        loss = eagle3_loss(cfg, draft, batch, states, head, inv, run.counts(batch).clamp(min=1).float())
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}))
+    same_loss_and_gradients(*results)

@@ -52,8 +52,8 @@ def test_eagle3_trains_on_prompt_positions_and_scores_held_out_completions_only(
     scored = []
     collate = batches.collate
 
-    def counting_collate(rows, pad_id, max_length, prompt_positions=False):
-        out = collate(rows, pad_id, max_length, prompt_positions)
+    def counting_collate(rows, pad_id, max_length, prompt_positions=False, multiple=1):
+        out = collate(rows, pad_id, max_length, prompt_positions, multiple)
         scored.append((prompt_positions, out["n_tokens"]))
         return out
 

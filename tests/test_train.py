@@ -74,6 +74,11 @@ def test_an_epochs_padded_positions_count_each_process_slices_longest_row():
     assert two.padded_positions(per_device=2) == sum(
         max(2 * max(lengths[i] for i in b[:2]), 2 * max(lengths[i] for i in b[2:])) for b in batches)
     assert two.padded_positions(per_device=2) <= one.padded_positions(per_device=4)
+    # pad_to_multiple_of: each micro-batch's width rounded up, never past max_length
+    assert one.padded_positions(per_device=4, multiple=4, max_length=12) == sum(
+        4 * min(-(-max(lengths[i] for i in b) // 4) * 4, 12) for b in batches)
+    assert one.padded_positions(per_device=4, multiple=8, max_length=10) == sum(
+        4 * (8 if max(lengths[i] for i in b) <= 8 else 10) for b in batches)  # 16 would pass max_length
 
 
 def test_collate_masks_completion_positions_and_aligns_topn():
@@ -444,3 +449,33 @@ def test_eagle3_in_two_processes_trains_exactly_as_one(workspace, tmp_path, capl
     # The reduced vocabulary was counted once and kept beside the run, for every process and every resume.
     assert json.loads((tmp_path / "two" / "draft_vocab.json").read_text())["ids"] == \
         json.loads((tmp_path / "one" / "draft_vocab.json").read_text())["ids"]
+
+
+@pytest.mark.parametrize("kind", [
+    {},  # the plain derived draft
+    dict(draft="eagle3", eagle_aux_layer_ids=[1], draft_vocab_size=40, teacher="online", ttt_steps=2),
+    dict(draft="dflash", dflash_layer_ids=[1], dflash_layers=1, block_size=4, num_anchors=5, draft_vocab_size=40,
+         teacher="online", states="online"),
+    dict(draft="parallel", parallel_tokens=3),
+], ids=["plain", "eagle3", "dflash", "parallel"])
+def test_padding_to_a_multiple_trains_the_same_draft(workspace, tmp_path, caplog, monkeypatch, kind):
+    """pad_to_multiple_of=16 widens the batches and changes no step's loss and no final weight, for every kind: the
+    padding is neither attended to nor scored."""
+    from specdec.train import batches
+
+    widths, width_of = [], batches.padded_width
+    monkeypatch.setattr(batches, "padded_width", lambda *a: widths.append((a[0], width_of(*a))) or widths[-1][1])
+    runs = {}
+    for multiple in (1, 16):
+        caplog.clear()
+        cfg = _cfg(workspace, tmp_path / f"pad{multiple}", eval_every=0, save_every=0, max_grad_norm=0.5,
+                   mixed_precision="no", pad_to_multiple_of=multiple, data_workers=0, **kind)
+        with caplog.at_level("INFO", logger="specdec.train.distill"):
+            distill.run(cfg)
+        runs[multiple] = _logged_losses(caplog.text), _weights(tmp_path / f"pad{multiple}" / "final")
+    assert any(padded > longest for longest, padded in widths)  # the padded run's batches were wider
+    (losses, weights), (padded_losses, padded_weights) = runs[1], runs[16]
+    assert len(losses) == 3 and padded_losses == pytest.approx(losses, abs=2e-5)
+    assert weights.keys() == padded_weights.keys()
+    for name in weights:
+        torch.testing.assert_close(padded_weights[name], weights[name], atol=2e-5, rtol=1e-4, msg=name)

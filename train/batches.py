@@ -100,13 +100,15 @@ class Schedule:
         self.per_epoch = len(lengths) // global_batch
         self._epoch, self._batches = -1, []
 
-    def padded_positions(self, per_device: int, epoch: int = 0) -> int:
-        """Positions one epoch's steps compute, each process's micro-batch padded to its longest row: the slowest
-        process's, per step (the step waits for it). What an epoch costs, as against a few steps' rows."""
-        total = 0
+    def padded_positions(self, per_device: int, epoch: int = 0, multiple: int = 1, max_length: int = 0) -> int:
+        """Positions one epoch's steps compute, each process's micro-batch padded to its longest row (rounded up to
+        `multiple`): the slowest process's, per step (the step waits for it). What an epoch costs, as against a
+        few steps' rows."""
+        total, cap = 0, max_length or max(self.lengths)
         for batch in epoch_batches(self.lengths, self.global_batch, self.seed, epoch, self.bucket):
             slices = [batch[s:s + per_device] for s in range(0, len(batch), per_device)]
-            total += max(len(rows) * max(self.lengths[i] for i in rows) for rows in slices)
+            total += max(len(rows) * padded_width(max(self.lengths[i] for i in rows), cap, multiple)
+                         for rows in slices)
         return total
 
     def __call__(self, m: int) -> list[int]:
@@ -124,17 +126,17 @@ class MicroBatches(torch.utils.data.Dataset):
     collate (and read recorded target states) ahead of the step while the order stays the schedule's."""
 
     def __init__(self, dataset, schedule: Schedule, rank: int, per_device: int, pad_id: int, max_length: int,
-                 read_ahead=None, packed: bool = False, prompt_positions: bool = False):
+                 read_ahead=None, packed: bool = False, prompt_positions: bool = False, multiple: int = 1):
         self.dataset, self.schedule, self.rank, self.per_device = dataset, schedule, rank, per_device
         self.pad_id, self.max_length, self.read_ahead, self.packed = pad_id, max_length, read_ahead, packed
-        self.prompt_positions = prompt_positions
+        self.prompt_positions, self.multiple = prompt_positions, multiple
 
     def __getitem__(self, m: int):
         indices = self.schedule(m)[self.rank * self.per_device:(self.rank + 1) * self.per_device]
         rows = self.dataset[indices]
-        batch = collate(rows, self.pad_id, self.max_length, self.prompt_positions)
+        batch = collate(rows, self.pad_id, self.max_length, self.prompt_positions, self.multiple)
         if self.packed:
-            batch = pack(batch, self.max_length)
+            batch = pack(batch, self.max_length, self.multiple)
         ahead = self.read_ahead(rows, batch) if self.read_ahead is not None else None
         return [sample_id(rows, i) for i in range(len(indices))], batch, ahead
 
@@ -160,12 +162,19 @@ def as_is(item):
     return item
 
 
-def collate(rows: dict, pad_id: int, max_length: int, prompt_positions: bool = False) -> dict[str, Any]:
-    """Right-padded tensors; `loss_mask[b, t]` marks logits positions t that predict a completion token, and with
-    `prompt_positions` every position that predicts a token of the sample (its prompt's too: a teacher that reads
-    the target's distribution there, `supervise_prompt`)."""
+def padded_width(longest: int, max_length: int, multiple: int) -> int:
+    """The batch's width: its longest row rounded up to a multiple of `multiple` (at most max_length), so that a
+    run meets a few widths rather than one per longest row (train_config.py `pad_to_multiple_of`)."""
+    return min(-(-longest // multiple) * multiple, max(max_length, longest))
+
+
+def collate(rows: dict, pad_id: int, max_length: int, prompt_positions: bool = False,
+            multiple: int = 1) -> dict[str, Any]:
+    """Right-padded tensors, `multiple` positions at a time (`padded_width`); `loss_mask[b, t]` marks logits
+    positions t that predict a completion token, and with `prompt_positions` every position that predicts a token
+    of the sample (its prompt's too: a teacher that reads the target's distribution there, `supervise_prompt`)."""
     seqs = [list(ids)[:max_length] for ids in rows["input_ids"]]
-    batch, width = len(seqs), max(len(s) for s in seqs)
+    batch, width = len(seqs), padded_width(max(len(s) for s in seqs), max_length, multiple)
     input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros(batch, width, dtype=torch.long)
     loss_mask = torch.zeros(batch, width, dtype=torch.bool)
@@ -210,7 +219,7 @@ def pack_order(lengths: list[int], max_length: int) -> list[list[int]]:
     return [sorted(row) for row in rows]
 
 
-def pack(batch: dict[str, Any], max_length: int) -> dict[str, Any]:
+def pack(batch: dict[str, Any], max_length: int, multiple: int = 1) -> dict[str, Any]:
     """A right-padded batch (`collate`) with its samples packed into rows of at most max_length tokens.
 
     Adds `document_ids` [R, L] (a sample's index in `batch` at its positions, -1 on padding) and keeps the
@@ -219,7 +228,7 @@ def pack(batch: dict[str, Any], max_length: int) -> dict[str, Any]:
     label would be the next sample's first token, is never scored (collate leaves it out of loss_mask)."""
     lengths = batch["attention_mask"].sum(1).tolist()
     order = pack_order(lengths, max_length)
-    width = max(sum(lengths[i] for i in row) for row in order)
+    width = padded_width(max(sum(lengths[i] for i in row) for row in order), max_length, multiple)
     per_position = [k for k, v in batch.items() if torch.is_tensor(v) and v.dim() >= 2 and k != "attention_mask"]
     out: dict[str, Any] = {"attention_mask": torch.zeros(len(order), width, dtype=torch.long),
                            "document_ids": torch.full((len(order), width), -1, dtype=torch.long)}

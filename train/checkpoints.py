@@ -56,6 +56,26 @@ def read_state(ckpt: Path) -> dict | None:
     return state if isinstance(state, dict) else None
 
 
+def trained_vocabulary(ckpt: Path) -> list[int] | None:
+    """The target ids of the draft's head when `ckpt` was saved: trainer_state.json's `draft_vocab`, else (a
+    checkpoint written before the state kept it) the d2t offsets in its weights; None for a head over every id.
+
+    A resume must keep them: counted again on data that has grown or a held-out setting that changed, the ids
+    would differ from those the trained head rows were learned for, and nothing would say so."""
+    state = read_state(ckpt) or {}
+    if state.get("draft_vocab") is not None:
+        return [int(i) for i in state["draft_vocab"]]
+    weights = ckpt / "model.safetensors"
+    if not weights.is_file():
+        return None
+    with safe_open(weights, "pt") as f:
+        key = next((k for k in f.keys() if k == "d2t" or k.endswith(".d2t")), None)
+        if key is None:
+            return None
+        d2t = f.get_tensor(key)
+    return [row + int(offset) for row, offset in enumerate(d2t.tolist())]
+
+
 def marker_run_id(out: Path) -> str | None:
     """The run id the output_dir's marker names (None: no marker, or an unreadable one)."""
     try:

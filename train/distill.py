@@ -100,6 +100,7 @@ class Distiller:
         self.ckpt_root = self.out / "checkpoints"
         self.best: dict[str, Any] = {"tau": -1.0, "step": None}
         self.start_step = 0
+        self.vocab_ids: list[int] | None = None  # the reduced draft head's target ids (None: every id)
         self.flat_evals = 0  # evaluations in a row that did not raise the best tau by min_tau_gain
         self.evaluated_at: int | None = None
         self.stopped_by = "max_steps"
@@ -125,6 +126,15 @@ class Distiller:
         """The reduced draft head's target ids: counted once, by the main process, and kept in
         output_dir/draft_vocab.json for every process and every resume on the same data."""
         cfg, path = self.cfg, self.out / "draft_vocab.json"
+        trained = checkpoints.trained_vocabulary(self.resume_ckpt) if self.resume_ckpt is not None else None
+        if trained is not None:
+            if len(trained) != size:
+                raise ValueError(f"resume_from: {self.resume_ckpt} was trained with a draft head over {len(trained)} "
+                                 f"target ids, and draft_vocab_size asks for {size}: resume with "
+                                 f"draft_vocab_size={len(trained)}, or start afresh")
+            log.info("resuming: the draft keeps the %d-id vocabulary its checkpoint was trained with", len(trained))
+            self.vocab_ids = trained
+            return torch.tensor(trained, dtype=torch.long)
         train_paths, heldout_path = data_folders(cfg)
         key = {"size": size, "vocab": vocab_size, "heldout": str(heldout_path or cfg.heldout_fraction),
                "data": [[str(p), read_manifest(p).get("fingerprint"), len(read_manifest(p)["shards"])]
@@ -137,7 +147,8 @@ class Distiller:
             tmp.write_text(json.dumps({"key": key, "ids": keep.tolist()}))
             os.replace(tmp, path)
         self.accelerator.wait_for_everyone()
-        return torch.tensor(json.loads(path.read_text())["ids"], dtype=torch.long)
+        self.vocab_ids = json.loads(path.read_text())["ids"]
+        return torch.tensor(self.vocab_ids, dtype=torch.long)
 
     def setup_models(self) -> None:
         """The target (where the draft is built from it or the loop reads it: whole, or only the parts a run with
@@ -234,7 +245,7 @@ class Distiller:
         loader processes while the steps run."""
         cfg = self.cfg
         data = MicroBatches(self.train_ds, self.schedule, self.rank, cfg.per_device_batch_size, self.pad_id,
-                            cfg.max_length, self.kind.prefetch, cfg.pack, cfg.supervise_prompt)
+                            cfg.max_length, self.kind.prefetch, cfg.pack, cfg.supervise_prompt, cfg.pad_to_multiple_of)
         workers = cfg.data_workers
         loader = torch.utils.data.DataLoader(data, batch_size=None, sampler=CountFrom(self.start_step * cfg.grad_accum_steps),
                                              collate_fn=as_is, num_workers=workers,
@@ -287,7 +298,7 @@ class Distiller:
             chunk = self.heldout[s:s + cfg.eval_batch_size]
             rows = {k: [r.get(k) for r in chunk] for k in chunk[0]}
             batch = {k: v.to(self.device) if torch.is_tensor(v) else v
-                     for k, v in collate(rows, self.pad_id, cfg.max_length).items()}
+                     for k, v in collate(rows, self.pad_id, cfg.max_length, multiple=cfg.pad_to_multiple_of).items()}
             yield rows, batch
 
     def evaluate(self, step: int) -> None:
@@ -324,7 +335,8 @@ class Distiller:
 
     def save(self, step: int) -> None:
         state = {"step": step, "best": _jsonable(self.best), "train_seconds": self.budget.spent(),
-                 "flat_evals": self.flat_evals, "run_id": self.run_id, "scheduler": self.scheduler.state_dict()}
+                 "flat_evals": self.flat_evals, "run_id": self.run_id, "scheduler": self.scheduler.state_dict(),
+                 "draft_vocab": self.vocab_ids}
         started = time.perf_counter()
         save_checkpoint(self.accelerator, self.ckpt_root, step, state, self.cfg.keep_checkpoints)
         self.save_seconds.append(time.perf_counter() - started)
@@ -434,7 +446,9 @@ class Distiller:
         samples, tokens = timed["samples"] * self.world, timed["tokens"] * self.world
         epoch = None
         if seconds > 0 and positions and not self.cfg.pack:  # packed rows: no per-epoch positions to scale by
-            epoch_seconds = self.schedule.padded_positions(self.cfg.per_device_batch_size) * seconds / positions
+            epoch_seconds = self.schedule.padded_positions(self.cfg.per_device_batch_size,
+                                                            multiple=self.cfg.pad_to_multiple_of,
+                                                            max_length=self.cfg.max_length) * seconds / positions
             epoch = self.schedule.per_epoch * self.schedule.global_batch / epoch_seconds
         return {"steps_timed": max(0, timed["steps"]), "seconds": seconds,
                 "samples_per_second": samples / seconds if seconds > 0 else None,

@@ -116,6 +116,10 @@ class TrainConfig:
     # data draws; the same gradient (train/slices.py). For kinds whose loss divides by the step's scored positions.
     # 0 = the whole micro-batch at once.
     slice_tokens: int = 0
+    # Each batch padded to a multiple of this many positions (at most max_length): a run then meets a few batch
+    # widths instead of one per longest row, and on a CPU the allocator's freed blocks and oneDNN's per-shape
+    # kernels are reused rather than grown step after step; the padding is never scored. 1 = to the longest row.
+    pad_to_multiple_of: int = 1
     # Loader processes that collate micro-batches (and read recorded states) ahead of the step; 0 = the training
     # process does it.
     data_workers: int = 1
@@ -175,6 +179,9 @@ class TrainConfig:
         check_minutes(self.max_minutes)
         if self.overwrite and self.resume_from:
             raise ValueError("overwrite=true starts afresh and resume_from continues a run: pass one of them")
+        if self.pad_to_multiple_of < 1:
+            raise ValueError(f"pad_to_multiple_of must be >= 1 (1 = pad to the longest row), got "
+                             f"{self.pad_to_multiple_of}")
         if self.slice_tokens < 0:
             raise ValueError(f"slice_tokens must be >= 0 (0 = whole micro-batches), got {self.slice_tokens}")
         if min(self.warmup_steps, self.eval_every, self.save_every, self.data_workers, self.stop_after_flat_evals,

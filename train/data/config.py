@@ -199,5 +199,10 @@ class DataConfig:
 
 def fingerprinted_settings(cfg: DataConfig) -> dict:
     """The settings that decide what is generated: a data folder resumes only under the same ones."""
-    return {k: v for k, v in to_dict(cfg).items()
-            if k not in _RESUMABLE_KEYS and not (k in _LATER_DEFAULTS and v == _LATER_DEFAULTS[k])}
+    settings = {k: v for k, v in to_dict(cfg).items()
+                if k not in _RESUMABLE_KEYS and not (k in _LATER_DEFAULTS and v == _LATER_DEFAULTS[k])}
+    if cfg.num_samples > 1 and cfg.shuffle:
+        # The work list's order (planning.plan_items): every prompt's first answer before any second. A folder
+        # dealt in the older order (all samples mixed) names another order and does not resume into this one.
+        settings["work_order"] = "first answers first"
+    return settings

@@ -133,7 +133,13 @@ def plan_items(prompts: list[Prompt], tokenizer, cfg: DataConfig, context_limit:
         log.warning("responses=dataset: %d conversation(s) without an assistant answer left out: %s%s",
                     len(unanswered), ", ".join(unanswered[:5]), " ..." if len(unanswered) > 5 else "")
     if cfg.shuffle and items:
-        random.Random(cfg.seed).shuffle(items)
+        # Every prompt's first answer before any prompt's second (each layer shuffled): a run stopped early by
+        # max_minutes holds as many prompts as it had time for, not two answers to half of them.
+        rng = random.Random(cfg.seed)
+        layers = [[item for item in items if item.sample_index == s] for s in range(cfg.num_samples)]
+        for layer in layers:
+            rng.shuffle(layer)
+        items = [item for layer in layers for item in layer]
         # The longest item first: a memory problem shows in the first batch, not hours in.
         longest = max(range(len(items)), key=lambda i: items[i].first_length)
         items.insert(0, items.pop(longest))
