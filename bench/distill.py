@@ -108,11 +108,11 @@ def score(result: dict, heldouts: list[str], target: str) -> dict:
     return result
 
 
-def table(results: list[dict], labels: list[str]) -> str:
+def table(scored: list[dict], labels: list[str]) -> str:
     head = "| variant | overrides | train min | " + " | ".join(
         f"{lab} agreement | {lab} tau(1) | {lab} tau(4) | {lab} tau(8)" for lab in labels) + " |"
     lines = [head, "|" + "---|" * (3 + 4 * len(labels))]
-    for r in results:
+    for r in scored:
         cells = [r["name"], " ".join(r["overrides"]) or "(base)", f"{r['train_minutes']:.1f}"]
         for lab in labels:
             m = r[lab]

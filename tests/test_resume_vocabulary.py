@@ -18,11 +18,7 @@ LAYERS = [1, 2, 3]
 def _resumed(cfg) -> distill.Distiller:
     """A Distiller set up and resumed as `run` does, before its first step."""
     trainer = distill.Distiller(cfg)
-    trainer.claim_output_dir()
-    trainer.setup_data()
-    trainer.setup_models()
-    trainer.setup_optim()
-    trainer.resume()
+    trainer.prepare()
     return trainer
 
 

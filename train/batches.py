@@ -165,7 +165,7 @@ def as_is(item):
 def padded_width(longest: int, max_length: int, multiple: int) -> int:
     """The batch's width: its longest row rounded up to a multiple of `multiple` (at most max_length), so that a
     run meets a few widths rather than one per longest row (train_config.py `pad_to_multiple_of`)."""
-    return min(-(-longest // multiple) * multiple, max(max_length, longest))
+    return min(-(-longest // multiple) * multiple, max_length)  # rows are cut to max_length before
 
 
 def collate(rows: dict, pad_id: int, max_length: int, prompt_positions: bool = False,

@@ -364,16 +364,21 @@ class Distiller:
                      self.best["step"], self.out / "best")
         return final
 
-    def run(self) -> Path:
-        """Train per the config; returns output_dir/final."""
-        cfg = self.cfg
-        # Before anything loads: a run that cannot fit stops here, with the fix (train/plan/).
-        plan.check_run(cfg, self.device, self.accelerator.mixed_precision, self.world, self.main)
+    def prepare(self) -> None:
+        """Everything before the first step: the output folder claimed, data, models and optimiser set up, and the
+        run resumed where `resume_from` says."""
         self.claim_output_dir()
         self.setup_data()
         self.setup_models()
         self.setup_optim()
         self.resume()
+
+    def run(self) -> Path:
+        """Train per the config; returns output_dir/final."""
+        cfg = self.cfg
+        # Before anything loads: a run that cannot fit stops here, with the fix (train/plan/).
+        plan.check_run(cfg, self.device, self.accelerator.mixed_precision, self.world, self.main)
+        self.prepare()
         self.tracker = _wandb_run(cfg) if cfg.report_to == "wandb" and self.main else None
         consumed = ConsumedLog(self.out / "consumed", self.rank, self.start_step if cfg.resume_from else None) \
             if cfg.record_consumed else None
