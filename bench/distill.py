@@ -9,7 +9,8 @@ number of optimizer steps on the same data; two run side by side with one thread
 machine's two cores), so their wall-clock minutes compare with each other but not with a two-thread run.
 Each final draft is then scored teacher-forced on every held-out folder (all rows): greedy top-1 agreement
 with the target and the simulated mean accepted tokens tau(k) for k = 1..8 (exact for greedy decoding: the
-draft sees the target's own prefix at every position). Prints a markdown table and writes results.jsonl, and with
+draft sees the target's own prefix at every position), and the share of the folder's completion tokens the draft's
+head can propose at all (a reduced head's ceiling on agreement). Prints a markdown table and writes results.jsonl, and with
 `--name N` docs/results/<date>-N.md.
 `--base recipe` trains every variant on the recipe's own settings instead of BASE, e.g. the EAGLE-3 draft:
 
@@ -86,6 +87,8 @@ def score(result: dict, heldouts: list[str], target: str) -> dict:
     from specdec.train import kinds
     from specdec.train.batches import collate, load_split
     from specdec.train.distill import TrainConfig
+    from specdec.train.draft import completion_coverage
+    from specdec.vocab import draft_to_target_map
 
     model = load_model(result["draft"], dtype="float32", device="cpu").eval()
     reads_target = kinds.get(draft_registry.of_model(model).name).facts.reads_target_states
@@ -95,6 +98,9 @@ def score(result: dict, heldouts: list[str], target: str) -> dict:
     for spec in heldouts:
         label, folder = spec.split("=", 1)
         ds = load_split(folder)
+        kept = draft_to_target_map(model)  # None: a full head, which can propose every token
+        rows = ds.select_columns(["input_ids", "prompt_length"])
+        coverage = 1.0 if kept is None else completion_coverage(rows, kept, model.get_input_embeddings().num_embeddings)
         runs = []
         with torch.no_grad():
             for s in range(0, len(ds), cfg.eval_batch_size):
@@ -104,19 +110,20 @@ def score(result: dict, heldouts: list[str], target: str) -> dict:
                 runs += replay.replay_runs(model, ids, mask, scored, max(ks), states)
         flat = [r for row in runs for r in row]
         result[label] = {"agreement": sum(r >= 1 for r in flat) / max(len(flat), 1),
-                         "tau": replay.tau_from_runs(runs, ks), "positions": len(flat)}
+                         "tau": replay.tau_from_runs(runs, ks), "positions": len(flat),
+                         "head_covers": coverage}
     return result
 
 
 def table(scored: list[dict], labels: list[str]) -> str:
     head = "| variant | overrides | train min | " + " | ".join(
-        f"{lab} agreement | {lab} tau(1) | {lab} tau(4) | {lab} tau(8)" for lab in labels) + " |"
-    lines = [head, "|" + "---|" * (3 + 4 * len(labels))]
+        f"{lab} head covers | {lab} agreement | {lab} tau(1) | {lab} tau(4) | {lab} tau(8)" for lab in labels) + " |"
+    lines = [head, "|" + "---|" * (3 + 5 * len(labels))]
     for r in scored:
         cells = [r["name"], " ".join(r["overrides"]) or "(base)", f"{r['train_minutes']:.1f}"]
         for lab in labels:
             m = r[lab]
-            cells += [f"{m['agreement']:.3f}", f"{m['tau'][1]:.2f}", f"{m['tau'][4]:.2f}", f"{m['tau'][8]:.2f}"]
+            cells += [f"{m['head_covers']:.3f}", f"{m['agreement']:.3f}", f"{m['tau'][1]:.2f}", f"{m['tau'][4]:.2f}", f"{m['tau'][8]:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

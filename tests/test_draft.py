@@ -74,6 +74,14 @@ def test_select_vocab_keeps_most_frequent_and_forced_ids():
         draft_lib.select_vocab(counts, 13)
 
 
+def test_completion_coverage_counts_completion_tokens_only():
+    rows = [{"input_ids": [5, 5, 9, 7, 7, 7, 3], "prompt_length": 2},  # completion 9 7 7 7 3
+            {"input_ids": [4, 9, 9], "prompt_length": 1}]  # completion 9 9
+    assert draft_lib.completion_coverage(rows, torch.tensor([7, 9]), 12) == pytest.approx(6 / 7)
+    assert draft_lib.completion_coverage(rows, torch.tensor([5]), 12) == 0.0  # prompt tokens are not counted
+    assert draft_lib.completion_coverage([{"input_ids": [1, 2], "prompt_length": 2}], torch.tensor([1]), 12) is None
+
+
 def test_reduced_draft_round_trips_through_save_and_load(tmp_path, tiny_tok):
     target = _tied_target(layers=3)
     derived = draft_lib.derive_draft(target, [0, 2])

@@ -20,7 +20,8 @@ from conftest import save_tiny_world, tiny_llama
 
 from specdec.models import load_model
 from specdec.train import checkpoints, distill, plain_train
-from specdec.train.batches import Schedule, collate, epoch_batches
+from specdec.train import draft as draft_lib
+from specdec.train.batches import Schedule, collate, epoch_batches, load_data
 from specdec.train.distill import TrainConfig
 from specdec.vocab import draft_to_target_map
 
@@ -231,6 +232,12 @@ def test_offline_topn_reduced_vocab_jsd(workspace, tmp_path):
     assert all(torch.isfinite(p).all() for p in draft.parameters())
     history = [json.loads(line) for line in (Path(cfg.output_dir) / "eval.jsonl").read_text().splitlines()]
     assert history[-1]["alpha_is_lower_bound"] is True
+    # The summary says how much of the held-out completions the 40 ids can propose at all: the rows it scores.
+    _, heldout = load_data(cfg)
+    rows = [heldout[i] for i in range(min(cfg.eval_samples, len(heldout)))]
+    coverage = json.loads((Path(cfg.output_dir) / "train_summary.json").read_text())["heldout_vocab_coverage"]
+    assert coverage == pytest.approx(draft_lib.completion_coverage(rows, id_map, draft.config.vocab_size))
+    assert 0 < coverage < 1
 
 
 def test_on_policy_tvd_with_lambda_one(workspace, tmp_path):

@@ -110,6 +110,7 @@ class Distiller:
         self.timed = {"steps": -1, "seconds": 0.0, "samples": 0, "tokens": 0, "positions": 0}
         self.eval_seconds: list[float] = []
         self.save_seconds: list[float] = []
+        self.vocab_coverage: float | None = None  # held-out completion tokens the reduced head can propose
 
     def setup_data(self) -> None:
         """The training and held-out splits, the tokenizer and the batch schedule."""
@@ -134,6 +135,7 @@ class Distiller:
                                  f"draft_vocab_size={len(trained)}, or start afresh")
             log.info("resuming: the draft keeps the %d-id vocabulary its checkpoint was trained with", len(trained))
             self.vocab_ids = trained
+            self.log_heldout_coverage(vocab_size)
             return torch.tensor(trained, dtype=torch.long)
         train_paths, heldout_path = data_folders(cfg)
         key = {"size": size, "vocab": vocab_size, "heldout": str(heldout_path or cfg.heldout_fraction),
@@ -148,7 +150,17 @@ class Distiller:
             os.replace(tmp, path)
         self.accelerator.wait_for_everyone()
         self.vocab_ids = json.loads(path.read_text())["ids"]
+        self.log_heldout_coverage(vocab_size)
         return torch.tensor(self.vocab_ids, dtype=torch.long)
+
+    def log_heldout_coverage(self, vocab_size: int) -> None:
+        """How much of the held-out completions the reduced head can propose at all: on held-out topics it can be
+        well under the training completions' share, and it caps the draft's first-proposal agreement."""
+        share = draft_lib.completion_coverage(self.heldout, self.vocab_ids, vocab_size) if self.main else None
+        if share is not None:
+            self.vocab_coverage = share
+            log.info("reduced draft head: its %d ids cover %.1f%% of the held-out completion tokens (the most its "
+                     "first proposal can agree)", len(self.vocab_ids), 100 * share)
 
     def setup_models(self) -> None:
         """The target (where the draft is built from it or the loop reads it: whole, or only the parts a run with
@@ -357,7 +369,7 @@ class Distiller:
         if self.main:
             summary = {"final": str(final), "steps": step, "best": _jsonable(self.best), "device": str(self.device),
                        "processes": self.world, "mixed_precision": self.accelerator.mixed_precision,
-                       "stopped_by": self.stopped_by,
+                       "stopped_by": self.stopped_by, "heldout_vocab_coverage": self.vocab_coverage,
                        "train_minutes": self.budget.spent() / 60, "pace": self.pace(), "config": cfg.settings()}
             (self.out / "train_summary.json").write_text(json.dumps(summary, indent=1))
             log.info("final draft: %s (best tau(k=%d) %.3f at step %s -> %s)", final, cfg.best_k, self.best["tau"],

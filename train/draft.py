@@ -115,6 +115,14 @@ def completion_token_counts(rows: Iterable[dict], vocab_size: int) -> torch.Tens
     return counts
 
 
+def completion_coverage(rows: Iterable[dict], keep_ids: torch.Tensor, vocab_size: int) -> float | None:
+    """The share of `rows`' completion tokens among `keep_ids` (None without any): a reduced head never proposes
+    the rest, so on held-out rows it is the most first-proposal agreement the head can reach."""
+    counts = completion_token_counts(rows, vocab_size)
+    total = float(counts.sum())
+    return float(counts[torch.as_tensor(keep_ids, dtype=torch.long)].sum()) / total if total else None
+
+
 def select_vocab(counts: torch.Tensor, size: int, always_keep: Iterable[int] = ()) -> torch.Tensor:
     """The `size` most frequent ids (ties -> lower id), always including `always_keep`; sorted ascending."""
     vocab = counts.numel()
