@@ -124,8 +124,20 @@ class Distiller:
         self.schedule = Schedule(lengths, cfg.per_device_batch_size * self.world, cfg.seed, cfg.bucket_by_length)
 
     def draft_vocabulary(self, vocab_size: int, size: int) -> torch.Tensor:
-        """The reduced draft head's target ids: counted once, by the main process, and kept in
-        output_dir/draft_vocab.json for every process and every resume on the same data."""
+        """The reduced draft head's target ids (`vocabulary_ids`), and how much of the held-out completions they can
+        propose at all: on held-out topics that can be well under the training completions' share, and it caps the
+        draft's first-proposal agreement."""
+        self.vocab_ids = self.vocabulary_ids(vocab_size, size)
+        if self.main:
+            self.vocab_coverage = draft_lib.completion_coverage(self.heldout, self.vocab_ids, vocab_size)
+        if self.vocab_coverage is not None:
+            log.info("reduced draft head: its %d ids cover %.1f%% of the held-out completion tokens (the most its "
+                     "first proposal can agree)", len(self.vocab_ids), 100 * self.vocab_coverage)
+        return torch.tensor(self.vocab_ids, dtype=torch.long)
+
+    def vocabulary_ids(self, vocab_size: int, size: int) -> list[int]:
+        """The ids: those a resumed checkpoint was trained with, else counted once, by the main process, and kept
+        in output_dir/draft_vocab.json for every process and every resume on the same data."""
         cfg, path = self.cfg, self.out / "draft_vocab.json"
         trained = checkpoints.trained_vocabulary(self.resume_ckpt) if self.resume_ckpt is not None else None
         if trained is not None:
@@ -134,9 +146,7 @@ class Distiller:
                                  f"target ids, and draft_vocab_size asks for {size}: resume with "
                                  f"draft_vocab_size={len(trained)}, or start afresh")
             log.info("resuming: the draft keeps the %d-id vocabulary its checkpoint was trained with", len(trained))
-            self.vocab_ids = trained
-            self.log_heldout_coverage(vocab_size)
-            return torch.tensor(trained, dtype=torch.long)
+            return trained
         train_paths, heldout_path = data_folders(cfg)
         key = {"size": size, "vocab": vocab_size, "heldout": str(heldout_path or cfg.heldout_fraction),
                "data": [[str(p), read_manifest(p).get("fingerprint"), len(read_manifest(p)["shards"])]
@@ -149,18 +159,7 @@ class Distiller:
             tmp.write_text(json.dumps({"key": key, "ids": keep.tolist()}))
             os.replace(tmp, path)
         self.accelerator.wait_for_everyone()
-        self.vocab_ids = json.loads(path.read_text())["ids"]
-        self.log_heldout_coverage(vocab_size)
-        return torch.tensor(self.vocab_ids, dtype=torch.long)
-
-    def log_heldout_coverage(self, vocab_size: int) -> None:
-        """How much of the held-out completions the reduced head can propose at all: on held-out topics it can be
-        well under the training completions' share, and it caps the draft's first-proposal agreement."""
-        share = draft_lib.completion_coverage(self.heldout, self.vocab_ids, vocab_size) if self.main else None
-        if share is not None:
-            self.vocab_coverage = share
-            log.info("reduced draft head: its %d ids cover %.1f%% of the held-out completion tokens (the most its "
-                     "first proposal can agree)", len(self.vocab_ids), 100 * share)
+        return json.loads(path.read_text())["ids"]
 
     def setup_models(self) -> None:
         """The target (where the draft is built from it or the loop reads it: whole, or only the parts a run with

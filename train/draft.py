@@ -115,12 +115,16 @@ def completion_token_counts(rows: Iterable[dict], vocab_size: int) -> torch.Tens
     return counts
 
 
-def completion_coverage(rows: Iterable[dict], keep_ids: torch.Tensor, vocab_size: int) -> float | None:
-    """The share of `rows`' completion tokens among `keep_ids` (None without any): a reduced head never proposes
-    the rest, so on held-out rows it is the most first-proposal agreement the head can reach."""
-    counts = completion_token_counts(rows, vocab_size)
+def kept_share(counts: torch.Tensor, keep_ids) -> float | None:
+    """The share of the counted tokens among `keep_ids` (None when nothing was counted)."""
     total = float(counts.sum())
     return float(counts[torch.as_tensor(keep_ids, dtype=torch.long)].sum()) / total if total else None
+
+
+def completion_coverage(rows: Iterable[dict], keep_ids, vocab_size: int) -> float | None:
+    """The share of `rows`' completion tokens among `keep_ids` (None without any): a reduced head never proposes
+    the rest, so on held-out rows it is the most first-proposal agreement the head can reach."""
+    return kept_share(completion_token_counts(rows, vocab_size), keep_ids)
 
 
 def select_vocab(counts: torch.Tensor, size: int, always_keep: Iterable[int] = ()) -> torch.Tensor:
@@ -157,7 +161,7 @@ def frequent_ids(train_ds, size: int, vocab_size: int, always_keep: Iterable[int
     counts = completion_token_counts(train_ds.select_columns(["input_ids", "prompt_length"]), vocab_size)
     keep = select_vocab(counts, size, always_keep)
     log.info("reduced draft head: %d ids cover %.1f%% of completion tokens", keep.numel(),
-             100 * float(counts[keep].sum()) / max(float(counts.sum()), 1.0))
+             100 * (kept_share(counts, keep) or 0.0))
     return keep
 
 
