@@ -170,10 +170,11 @@ class _Decoding:
         batch = Batch(input_ids, attention_mask, options.max_new_tokens, lookahead, options.eos_token_id, pad)
         return cls(target, batch, options, generator, stats, _Clock(options.timing, input_ids.device))
 
-    def prefill(self, top_n: _TopN | None = None) -> None:
-        """The target's prefill and the first token, which comes from it."""
+    def prefill(self, top_n: _TopN | None = None, groups: list[list[int]] | None = None) -> None:
+        """The target's prefill (one forward per group of rows with `groups`) and the first token, which comes
+        from it."""
         self.kwarg = cache_kwarg(self.target)
-        self.cache, logits = prefill(self.target, self.batch, self.kwarg)
+        self.cache, logits = prefill(self.target, self.batch, self.kwarg, groups)
         self.stats.target_forwards += 1
         if top_n is not None:
             top_n(logits)
@@ -229,13 +230,16 @@ def target_generate(
     eos_token_id: int | list[int] | None = None,
     generator: torch.Generator | None = None,
     top_logprobs: int = 0,
+    prefill_groups: list[list[int]] | None = None,
     **options,
 ) -> GenerateOutput:
     """Target-only decoding with a KV cache: the baseline that speculative decoding must match.
 
     `top_logprobs=n` also keeps the n most likely ids and log-probs at every generated position (the
-    distillation teacher signal), taken from the decoding logits themselves. `options`: the rest of
-    `DecodeOptions` (pad_token_id, timing).
+    distillation teacher signal), taken from the decoding logits themselves. `prefill_groups` (the data stage's,
+    specdec.kv.prefill_groups): the prefill as one forward per group of rows, less padding computed; its rounding
+    may differ from the one forward's, so the baseline that speculative decoding is checked against leaves it
+    None. `options`: the rest of `DecodeOptions` (pad_token_id, timing).
     """
     settings = DecodeOptions(sampling, max_new_tokens, eos_token_id, **options)
     _check_inputs(target, input_ids, attention_mask, max_new_tokens)
@@ -243,7 +247,7 @@ def target_generate(
         raise ValueError(f"top_logprobs must be >= 0 (0 = off), got {top_logprobs}")
     state = _Decoding.new(target, input_ids, attention_mask, settings, generator, 0, DecodeStats())
     top_n = _TopN(top_logprobs)
-    state.prefill(top_n)
+    state.prefill(top_n, prefill_groups)
     state.target_steps(top_n)
     top_ids, top_lp = top_n.stacked()
     return GenerateOutput(state.batch.sequences(), state.stats, state.batch.prompt_length, timings=state.clock.marks,

@@ -134,6 +134,19 @@ class PreallocatedLayer(DynamicLayer):
         self.keys, self.values = self._key_buffer[:, :, :stop], self._value_buffer[:, :, :stop]
         return self.keys, self.values
 
+    def place(self, rows: torch.Tensor, start: int, keys: torch.Tensor, values: torch.Tensor, batch: int) -> None:
+        """Write a group's prefill entries [len(rows), H, n, D] at positions start..start + n of those rows (a grouped
+        prefill); positions no group writes stay zero, padding that the attention mask keeps out."""
+        if not self.is_initialized:
+            self.lazy_initialization(keys, values)
+        if self._key_buffer is None:
+            shape = (batch, keys.shape[1], self.capacity, keys.shape[-1])
+            self._key_buffer, self._value_buffer = keys.new_zeros(shape), values.new_zeros(shape)
+        stop = start + keys.shape[-2]
+        self._key_buffer[rows, :, start:stop] = keys
+        self._value_buffer[rows, :, start:stop] = values
+        self.keys, self.values = self._key_buffer[:, :, :stop], self._value_buffer[:, :, :stop]
+
     def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, kept: int, capacity: int) -> None:
         """New buffers of `capacity` positions holding the `kept` cached ones (a tree round may outgrow a chain's)."""
         keys = key_states.new_empty((*key_states.shape[:2], capacity, key_states.shape[-1]))
@@ -152,11 +165,56 @@ def new_cache(model, capacity: int) -> DynamicCache:
     return cache
 
 
-def prefill(model, batch: Batch, kwarg: str) -> tuple[DynamicCache, torch.Tensor]:
-    """Run the prompt through a causal LM; returns its cache and the last position's logits [B, V]."""
+def prefill(model, batch: Batch, kwarg: str,
+            groups: list[list[int]] | None = None) -> tuple[DynamicCache, torch.Tensor]:
+    """Run the prompt through a causal LM; returns its cache and the last position's logits [B, V]. With `groups`
+    (`prefill_groups`), one forward per group of rows, each padded only to its own longest prompt, the entries
+    written right-aligned into the batch's left-padded cache: the padding a length-sorted batch of still unequal
+    prompts computed is left out. Positions and later steps are as with one forward; the rounding may differ
+    (other matmul shapes), so a decoder checked against one forward keeps one. A cache with layers other than full
+    attention (sliding windows) prefills as one forward."""
     cache = new_cache(model, batch.seq.shape[1])
+    if groups and len(groups) > 1 and all(isinstance(layer, PreallocatedLayer) for layer in cache.layers):
+        return cache, _prefill_in_groups(model, cache, batch, kwarg, groups)
     logits = forward_cached(model, cache, batch, batch.prompt_length, 1, kwarg)
     return cache, logits[:, -1]
+
+
+def _prefill_in_groups(model, cache: DynamicCache, batch: Batch, kwarg: str, groups: list[list[int]]) -> torch.Tensor:
+    width, rows_total = batch.prompt_length, batch.seq.shape[0]
+    last = None
+    for group in groups:
+        rows = torch.tensor(group, device=batch.seq.device)
+        start = width - int((width - batch.left_pad[rows]).max())
+        positions = batch.model_inputs(start, width)["position_ids"][rows]
+        mask = None if batch.mask is None else batch.mask[rows, start:width]
+        part = DynamicCache(config=model.config)
+        out = model(input_ids=batch.seq[rows, start:width], position_ids=positions,
+                    attention_mask=None if mask is None or bool(mask.all()) else mask,
+                    **{kwarg: part}, use_cache=True, logits_to_keep=1)
+        for layer, written in zip(cache.layers, part.layers):
+            layer.place(rows, start, written.keys, written.values, rows_total)
+        logits = out.logits[:, -1]
+        if last is None:
+            last = logits.new_empty((rows_total, logits.shape[-1]))
+        last[rows] = logits
+    return last
+
+
+def prefill_groups(lengths: list[int], slack: float = 1.1, alone: int = 512) -> list[list[int]]:
+    """Rows (indices of `lengths`, the prompts' lengths) grouped for a grouped prefill, longest first: a group
+    grows while its padded positions stay within `slack` times its real ones, and a prompt of `alone` tokens or
+    more is prefilled by itself (no padding and no mask, so causal attention skips the masked half of its scores).
+    The defaults: bench/data_prefill.py."""
+    groups: list[list[int]] = []
+    for row in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        group = groups[-1] if groups else None
+        if (group and lengths[group[0]] < alone
+                and (len(group) + 1) * lengths[group[0]] <= slack * (sum(lengths[i] for i in group) + lengths[row])):
+            group.append(row)
+        else:
+            groups.append([row])
+    return groups
 
 
 def keep_path(cache: DynamicCache, start: int, slots: list[int]) -> None:

@@ -201,6 +201,30 @@ def test_recorded_features_equal_the_targets_own_on_the_whole_sequence(tiny_targ
                                                                       "shard-00000.parquet"]
 
 
+def test_a_grouped_prefill_keeps_the_rows_and_their_states(tiny_target, tmp_path, monkeypatch):
+    """grouped_prefill (on by default) prefills each batch as several forwards: the same rows, top-n log-probs and
+    recorded states as one forward padded to the batch's longest prompt (float64 here, so equal to rounding)."""
+    import specdec.kv as kv
+    used = []
+    real = kv.prefill_groups
+    monkeypatch.setattr(gen.backend_transformers, "prefill_groups", lambda lengths: used.append(real(lengths)) or used[-1])
+    prompts = _write_prompts(tmp_path / "p.jsonl", n=9, multi_turn=False, seed=3)
+    runs = {}
+    for grouped in (True, False):
+        out = tmp_path / f"out-{grouped}"
+        run(_cfg(tiny_target, prompts, out, batch_size=9, shard_size=9, top_logprobs=3, record_features=True,
+                 eagle_aux_layer_ids=[1], grouped_prefill=grouped))
+        runs[grouped] = (_rows(out), [f for _, feats in gen.recorded_features(out) for f in feats])
+    assert len(used) == 1 and len(used[0]) > 1  # the grouped run prefilled one batch as several forwards
+    (rows, feats), (rows_one, feats_one) = runs[True], runs[False]
+    assert [r["input_ids"] for r in rows] == [r["input_ids"] for r in rows_one]
+    for r, r_one in zip(rows, rows_one):
+        assert r["top_ids"] == r_one["top_ids"]
+        torch.testing.assert_close(torch.tensor(r["top_logprobs"]), torch.tensor(r_one["top_logprobs"]))
+    for f, f_one in zip(feats, feats_one):
+        torch.testing.assert_close(f.float(), f_one.float())
+
+
 def test_recorded_layers_and_record_features_go_together():
     with pytest.raises(ValueError, match="record_features=true keeps the target's states"):
         DataConfig(eagle_aux_layer_ids=[1])

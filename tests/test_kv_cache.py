@@ -55,3 +55,32 @@ def test_the_decoders_give_the_same_tokens_over_either_cache(monkeypatch):
         runs[name] = (base.sequences, base.top_logprobs, spec.sequences, tree.sequences)
     assert all(torch.equal(a, b) for a, b in zip(runs["inplace"], runs["dynamic"]))
     assert torch.equal(runs["inplace"][0], runs["inplace"][2])  # and the speculative output is the target's
+
+
+def test_prefill_groups_pad_little_and_leave_long_prompts_alone():
+    """Longest first; a group grows while its padded positions stay within the slack, and a long prompt goes alone."""
+    assert kv.prefill_groups([50, 600, 100, 10, 95, 48]) == [[1], [2, 4], [0, 5], [3]]
+    assert kv.prefill_groups([600, 590], slack=2.0) == [[0], [1]]  # at `alone` tokens, no company
+    assert kv.prefill_groups([7, 7, 7]) == [[0, 1, 2]]
+
+
+def test_a_grouped_prefill_decodes_as_one_forward_does():
+    """The prefill as one forward per group (each padded to its own longest prompt, written right-aligned into the
+    batch's cache) gives, in float32, the tokens, top-n log-probs and cache entries of one forward over the batch."""
+    target = tiny_llama(seed=0)
+    ids, mask = ragged_prompts(6, 128, seed=5, min_len=2, max_len=24)
+    lengths = mask.sum(dim=1).tolist()
+    groups = kv.prefill_groups(lengths, alone=20)
+    assert len(groups) > 2 and any(len(g) == 1 for g in groups)
+    one = target_generate(target, ids, mask, max_new_tokens=10, pad_token_id=0, top_logprobs=4)
+    grouped = target_generate(target, ids, mask, max_new_tokens=10, pad_token_id=0, top_logprobs=4,
+                              prefill_groups=groups)
+    assert torch.equal(one.sequences, grouped.sequences)
+    torch.testing.assert_close(one.top_logprobs, grouped.top_logprobs, atol=1e-5, rtol=1e-5)
+    batch = kv.Batch(ids, mask, 4, 1, None, 0)
+    whole, _ = kv.prefill(target, batch, "past_key_values")
+    parts, _ = kv.prefill(target, batch, "past_key_values", groups)
+    real = mask.bool()[:, None, :, None]  # entries at padding are never read (the mask keeps them out)
+    for a, b in zip(whole.layers, parts.layers):
+        torch.testing.assert_close(a.keys * real, b.keys * real, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a.values * real, b.values * real, atol=1e-5, rtol=1e-5)

@@ -7,6 +7,7 @@ import logging
 import torch
 
 from specdec.decode import target_generate
+from specdec.kv import prefill_groups
 from specdec.models import load_model
 from specdec.sampling import SamplingConfig
 from specdec.tokens import cut_at_eos, eos_ids, pad_id
@@ -42,14 +43,16 @@ class TransformersBackend(GenerationBackend):
             ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
             mask[row, width - len(p):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
+        groups = prefill_groups([len(p) for p in prompts]) if self.cfg.grouped_prefill else None
         with recording_while_decoding(self.model, self.cfg.eagle_aux_layer_ids, self.cfg.record_features) as recorder:
             out = target_generate(self.model, ids, mask, sampling=sampling or self.sampling,
                                   max_new_tokens=self.cfg.max_new_tokens, eos_token_id=self.eos or None,
-                                  generator=generator, pad_token_id=self.pad, top_logprobs=self.cfg.top_logprobs)
+                                  generator=generator, pad_token_id=self.pad, top_logprobs=self.cfg.top_logprobs,
+                                  prefill_groups=groups)
         new = out.sequences[:, width:].tolist()
         completions = [Completion(cut_at_eos(row, self.eos)) for row in new]
         if recorder is not None:
-            states = decoded_features(recorder, prompts, width, [len(c.tokens) for c in completions])
+            states = decoded_features(recorder, prompts, width, [len(c.tokens) for c in completions], groups)
             for comp, features in zip(completions, states):
                 comp.features = features
         if self.cfg.top_logprobs:

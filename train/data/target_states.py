@@ -20,14 +20,24 @@ def recording_while_decoding(model, layer_ids: list[int], record: bool):
     return HiddenStateRecorder(model, layer_ids, final=True, history=True)
 
 
-def decoded_features(recorder, prompts: list[list[int]], width: int, lengths: list[int]) -> list[torch.Tensor]:
+def decoded_features(recorder, prompts: list[list[int]], width: int, lengths: list[int],
+                     groups: list[list[int]] | None = None) -> list[torch.Tensor]:
     """Each row's states from a recorded left-padded decoding of `prompts` (padded to `width`), over its prompt and
-    all but the last of its `lengths[row]` completion tokens."""
-    # history: the prefill [B, width, W], then one [B, 1, W] per step (the step feeding completion token j).
-    prefill_states = recorder.history[0]
-    steps = torch.cat(recorder.history[1:] or [prefill_states[:, :0]], 1)
-    return [torch.cat([prefill_states[row, width - len(p):], steps[row, : n - 1]])
-            for row, (p, n) in enumerate(zip(prompts, lengths))]
+    all but the last of its `lengths[row]` completion tokens; `groups`: the rows of each prefill forward, in order
+    (a grouped prefill), None for one prefill forward over the batch."""
+    # history: the prefill's forwards ([B, width, W], or one [rows, its width, W] per group), then one [B, 1, W]
+    # per step (the step feeding completion token j).
+    if not groups or recorder.history[0].shape[0] == len(prompts):  # one forward (a model kv.grouped_prefill
+        groups = [list(range(len(prompts)))]                          # prefills whole, or a single group)
+    prefill_of = {row: (forward, place) for forward, group in enumerate(groups) for place, row in enumerate(group)}
+    steps = recorder.history[len(groups):]
+    steps = torch.cat(steps, 1) if steps else recorder.history[0][:, :0]
+    out = []
+    for row, (p, n) in enumerate(zip(prompts, lengths)):
+        forward, place = prefill_of[row]
+        states = recorder.history[forward][place]
+        out.append(torch.cat([states[states.shape[0] - len(p):], steps[row, : n - 1]]))
+    return out
 
 
 def prefill_features(model, sequences: list[list[int]], layer_ids: list[int], batch_size: int,
