@@ -225,6 +225,25 @@ def test_a_grouped_prefill_keeps_the_rows_and_their_states(tiny_target, tmp_path
         torch.testing.assert_close(f.float(), f_one.float())
 
 
+def test_decoded_features_read_a_grouped_prefill_with_and_without_decoding_steps():
+    """Each row's states come from its own group's forward (right-aligned there) and then from the steps; a batch
+    whose rows all ended at the prefill's token (no step ran) reads its prompts' states alone."""
+    from types import SimpleNamespace
+
+    from specdec.train.data.target_states import decoded_features
+    prompts = [[5, 6], [7, 8, 9], [4]]
+    groups = [[1], [0, 2]]  # the longest alone, then a group two wide
+    alone = torch.arange(3.0)[None, :, None]  # row 1: positions 0, 1, 2
+    pair = torch.tensor([[10.0, 11.0], [-1.0, 20.0]])[:, :, None]  # row 0 (2 tokens), row 2 (1 token, left-padded)
+    step = torch.tensor([100.0, 101.0, 102.0])[:, None, None]
+    recorder = SimpleNamespace(history=[alone, pair, step])
+    rows = decoded_features(recorder, prompts, width=3, lengths=[2, 2, 2], groups=groups)
+    assert [r[:, 0].tolist() for r in rows] == [[10.0, 11.0, 100.0], [0.0, 1.0, 2.0, 101.0], [20.0, 102.0]]
+    recorder = SimpleNamespace(history=[alone, pair])
+    rows = decoded_features(recorder, prompts, width=3, lengths=[1, 1, 1], groups=groups)
+    assert [r[:, 0].tolist() for r in rows] == [[10.0, 11.0], [0.0, 1.0, 2.0], [20.0]]
+
+
 def test_recorded_layers_and_record_features_go_together():
     with pytest.raises(ValueError, match="record_features=true keeps the target's states"):
         DataConfig(eagle_aux_layer_ids=[1])

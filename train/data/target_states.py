@@ -27,16 +27,17 @@ def decoded_features(recorder, prompts: list[list[int]], width: int, lengths: li
     (a grouped prefill), None for one prefill forward over the batch."""
     # history: the prefill's forwards ([B, width, W], or one [rows, its width, W] per group), then one [B, 1, W]
     # per step (the step feeding completion token j).
-    if not groups or recorder.history[0].shape[0] == len(prompts):  # one forward (a model kv.grouped_prefill
-        groups = [list(range(len(prompts)))]                          # prefills whole, or a single group)
+    if not groups or recorder.history[0].shape[0] == len(prompts):  # one forward: no groups asked for, or a model
+        groups = [list(range(len(prompts)))]                          # that kv.prefill prefills whole
     prefill_of = {row: (forward, place) for forward, group in enumerate(groups) for place, row in enumerate(group)}
     steps = recorder.history[len(groups):]
-    steps = torch.cat(steps, 1) if steps else recorder.history[0][:, :0]
+    steps = torch.cat(steps, 1) if steps else None  # None: one new token a row, from the prefill alone
     out = []
     for row, (p, n) in enumerate(zip(prompts, lengths)):
         forward, place = prefill_of[row]
         states = recorder.history[forward][place]
-        out.append(torch.cat([states[states.shape[0] - len(p):], steps[row, : n - 1]]))
+        fed = states[states.shape[0] - len(p):]
+        out.append(fed if steps is None else torch.cat([fed, steps[row, : n - 1]]))
     return out
 
 
