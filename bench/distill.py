@@ -59,6 +59,9 @@ VARIANTS = {
     "ttt1": ["ttt_steps=1"],
     "ttt3": ["ttt_steps=3"],
     "ttt5": ["ttt_steps=5"],
+    # --base recipe: the recipe as it is, and with Muon on the layers' matrices (train/optim.py)
+    "recipe": [],
+    "muon": ["optimizer=muon"],
 }
 BASE = ["draft_layers=0,1,29", "draft_vocab_size=8192", "teacher=offline", "loss=fkl", "learning_rate=1e-3",
         "warmup_steps=15", "freeze_embeddings=true", "per_device_batch_size=16", "save_every=0", "eval_every=0"]

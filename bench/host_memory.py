@@ -8,8 +8,10 @@ Each variant trains the demo recipe's train settings (recipes/smollm2-135m-eagle
 autocast where the CPU has native bf16) for `--steps` steps on `--data`, in its own process, one at a time on
 every core, sampling the process's RssAnon every 0.5 s with the step it was in. Variants:
 
-- `default`: as specdec trains;
-- `trim`: glibc's malloc_trim(0) after every step (every whole free page of the heap back to the system);
+- `default`: as specdec trains (the heap trimmed every `release_host_memory_every` steps, 25 by default);
+- `keep-heap`: release_host_memory_every=0, the heap never trimmed (how specdec trained before that key);
+- `trim`, `trim-10`: release_host_memory_every=1 / 10 (glibc's malloc_trim(0) after every step / every 10th:
+  every whole free page of the heap back to the system, train/host_memory.py);
 - `mmap-4m`: MALLOC_MMAP_THRESHOLD_=4194304, a fixed threshold (glibc then stops raising it as large blocks are
   freed, so every tensor of 4 MiB or more is its own mapping, unmapped when freed);
 - `mmap-64k`: MALLOC_MMAP_THRESHOLD_=65536;
@@ -42,7 +44,9 @@ RECIPE = "recipes/smollm2-135m-eagle3.yaml"
 
 VARIANTS: dict[str, dict] = {
     "default": {},
-    "trim": {"trim": True},
+    "keep-heap": {"overrides": ["release_host_memory_every=0"]},
+    "trim": {"overrides": ["release_host_memory_every=1"]},
+    "trim-10": {"overrides": ["release_host_memory_every=10"]},
     "mmap-4m": {"env": {"MALLOC_MMAP_THRESHOLD_": "4194304"}},
     "mmap-64k": {"env": {"MALLOC_MMAP_THRESHOLD_": "65536"}},
     "fp32": {"overrides": ["mixed_precision=no"]},
@@ -69,13 +73,8 @@ def sample():
         time.sleep(0.5)
 threading.Thread(target=sample, daemon=True).start()
 step = distill.Distiller.train_step
-if spec["trim"]:  # glibc: every whole free page of the heap back to the system
-    import ctypes, ctypes.util
-    release_freed = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
 def counted(self, s, micro_batches):
     out = step(self, s, micro_batches)
-    if spec["trim"]:
-        release_freed(0)
     at[0] = s
     return out
 distill.Distiller.train_step = counted
@@ -92,7 +91,7 @@ def run(args, name: str, out: Path) -> dict:
                  "max_minutes=null", "eval_every=0", "stop_after_flat_evals=0", "save_every=0", "log_every=50",
                  *variant.get("overrides", [])]
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", **variant.get("env", {}))
-    spec = {"recipe": args.recipe, "overrides": overrides, "trim": bool(variant.get("trim"))}
+    spec = {"recipe": args.recipe, "overrides": overrides}
     print(f"== {name}", flush=True)
     proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(spec)], cwd=ROOT, env=env, capture_output=True,
                           text=True)

@@ -26,6 +26,10 @@ specdec's autocast rule (bf16 only where the CPU computes it natively):
   warm-up, clipping at 1.0, D-PACE slot weights (alpha 0.5); bench/peer.py's Muon note holds.
 - `specdec-norm-ones` (`--runs`): `specdec` with its draft's final norm starting at ones (`norm_init: ones`, as the
   peer's starts) instead of the target's final norm weights.
+- `specdec-fkl`, `specdec-muon`, `specdec-fkl-muon` (`--runs`): `specdec` with `loss: fkl` (forward KL to the
+  target's distribution over the kept ids, which the online teacher reads from the recorded final states: the
+  target's own distribution, as the peer's argmax label is drawn from it), with `optimizer: muon` (specdec's
+  Muon on the layers' matrices, AdamW on the rest, at specdec's learning rate), or both.
 - `peer-ours` (`--runs`): the same model, forward and loss at specdec's settings (AdamW, learning rate, warm-up,
   cosine, fixed-exp-decay slot weights with specdec's gamma).
 
@@ -76,8 +80,10 @@ import peer  # bench/peer.py (this script runs with bench/ on its path)
 import torch
 
 ROOT = peer.ROOT
-RUNS = ("specdec", "specdec-norm-ones", "peer", "peer-ours")
-OURS = {"specdec": {}, "specdec-norm-ones": {"norm_init": "ones"}}  # specdec's runs: their dflash options changed
+# specdec's runs: their changes to the `specdec` run's TrainConfig ("dflash": its DFlash options changed)
+OURS = {"specdec": {}, "specdec-norm-ones": {"dflash": {"norm_init": "ones"}}, "specdec-fkl": {"loss": "fkl"},
+        "specdec-muon": {"optimizer": "muon"}, "specdec-fkl-muon": {"loss": "fkl", "optimizer": "muon"}}
+RUNS = (*OURS, "peer", "peer-ours")
 FULL = {"work": ROOT / "runs" / "peer", "train_prompts": 192, "heldout_prompts": 48, "max_new_tokens": 64,
         "steps": 240, "batch": 4}
 QUICK = {"work": ROOT / "runs" / "peer-quick", "train_prompts": 8, "heldout_prompts": 4, "max_new_tokens": 16,
@@ -281,7 +287,9 @@ def load_line(run: str, folder: Path, work: Path, diff: float) -> str:
 # ---- the bench --------------------------------------------------------------------------------------------------
 def settings_text(run: str, s: dict) -> str:
     if run in OURS:
-        return (f"AdamW lr {LEARNING_RATE:g}, wd 0, warm-up {s['warmup_steps']}, cosine to 0; ce on the data's tokens; "
+        optimizer = "Muon + AdamW (specdec's)" if s.get("optimizer") == "muon" else "AdamW"
+        loss = "ce on the data's tokens" if s["loss"] == "ce" else f"{s['loss']} to the target's distribution (online)"
+        return (f"{optimizer} lr {LEARNING_RATE:g}, wd 0, warm-up {s['warmup_steps']}, cosine to 0; {loss}; "
                 f"slot weights exp(-(j - 1) / {LOSS_DECAY:g}); {s['dflash']['num_anchors']} anchors a row at most; "
                 f"final norm starting from {s['dflash'].get('norm_init', 'target')}")
     optimizer = ("Muon (2-D, lr {lr:g}, wd {muon_weight_decay:g}) + AdamW (wd {weight_decay:g})"
@@ -313,6 +321,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--parallel", type=int, default=0, help="trainers at a time (default: cores / threads)")
     parser.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"), help="speculators' draft attention")
     parser.add_argument("--runs", nargs="+", default=["specdec", "peer"], choices=RUNS)
+    parser.add_argument("--name", default="peer-dflash", help="docs/results/<date>-<name>.md")
     parser.add_argument("--muon-bf16", action="store_true", help="bench/peer.py's flag")
     args = parser.parse_args(argv)
     for key, value in (QUICK if args.quick else FULL).items():
@@ -336,8 +345,8 @@ def run_specs(args, work: Path, keep: torch.Tensor, mask: int) -> dict:
                "dflash": {"block_size": args.block, "num_anchors": args.max_new_tokens, "loss_decay": LOSS_DECAY,
                           "dflash_layer_ids": args.layer_ids, "dflash_layers": 1, "mask_token_id": mask,
                           "states": "recorded"}}
-    specs = {run: {"run": run, "config": {**specdec, "output_dir": str(work / f"dflash-{run}"),
-                                          "dflash": {**specdec["dflash"], **changes}}}
+    specs = {run: {"run": run, "config": {**specdec, **changes, "output_dir": str(work / f"dflash-{run}"),
+                                          "dflash": {**specdec["dflash"], **changes.get("dflash", {})}}}
              for run, changes in OURS.items()}
     for run, settings in (("peer", PEER_DEFAULTS), ("peer-ours", peer_ours(args.steps))):
         specs[run] = {"run": run, "target": args.target, "keep_ids": keep.tolist(), "layer_ids": args.layer_ids,
@@ -408,7 +417,7 @@ def report_body(args, outcome: dict, specs: dict, figures: dict, loads: list[str
         "| run | agreement | top-1 @2 | top-1 @3 | " + " | ".join(f"tau({k})" for k in ks)
         + " | tokens/s | tokens/CPU-s | peak RSS MB | above imports MB |",
         "|---|" + "---:|" * (7 + len(ks)), *[table_row(run, outcome[run], figures[run], ks) for run in outcome], "",
-        "Ratios:", "", *(ratios(outcome, figures, ks[-1]) or ["- (no specdec run)"]), "",
+        "Ratios:", "", *(ratios(outcome, figures, ks[-1]) or ["- (none: this run trained no specdec run and peer run side by side)"]), "",
         "Settings:", "", *[f"- {run}: {settings_text(run, settings[run])}"
                            + (f"; Muon's Newton-Schulz in {outcome[run]['muon']}" if "muon" in outcome[run] else "")
                            for run in outcome], "",
@@ -474,7 +483,7 @@ def main(argv: list[str] | None = None) -> Path | None:
         path = work / "peer-dflash.md"
         path.write_text(provenance + body.rstrip() + "\n")
     else:
-        path = results.write("peer-dflash", "Peer comparison: specdec's DFlash trainer against speculators'", body,
+        path = results.write(args.name, "Peer comparison: specdec's DFlash trainer against speculators'", body,
                              provenance)
     print(f"\nwritten to {path}")
     return path

@@ -4,16 +4,20 @@ micro-batches the steps happen to draw?
     python bench/train_memory_real.py --data runs/demo/data                 # its first shard vs 6 copies of it, seeds 0-2
     python bench/train_memory_real.py --data D --copies 10 --seeds 0 1 --steps 8
     python bench/train_memory_real.py --data runs/demo/data --slice-tokens 0 4096   # whole micro-batches vs slices
+    python bench/train_memory_real.py --data runs/demo/data --copies 0 --steps 150 --release-every 0 25
 
 The small folder is the data folder's first shard; the large one is `--copies` copies of it (linked, not written
-again: the same rows, so the rows' lengths and states are the data's own). Each run trains `--steps` steps of the
+again: the same rows, so the rows' lengths and states are the data's own); `--copies 0` takes the whole folder
+instead. Each run trains `--steps` steps of the
 recipe's train settings (default the demo's, recipes/smollm2-135m-eagle3.yaml: 16 rows a micro-batch, max_length
 1024, recorded states, online teacher) in its own process with the loader in that process, sampling its anonymous
 memory (RssAnon) every 50 ms, and records the widest micro-batch its steps drew. The table says, per folder and
 seed, the peak and the widest batch: when the peak follows the widest batch and not the folder, memory is bounded
 by the batch shape (what `specdec train --plan` bounds), whatever the data's size. `--slice-tokens` runs each
 case at each bound (train_config.py `slice_tokens`: a micro-batch's forward and backward in slices of rows), and the
-table adds the run's trained tokens/s over its timed steps (train_summary.json's pace).
+table adds the run's trained tokens/s over its timed steps (train_summary.json's pace). `--release-every` likewise
+runs each case at each `release_host_memory_every` (train/host_memory.py; 0 = the heap never trimmed), which
+decides whether a long run's peak follows its steps.
 """
 
 from __future__ import annotations
@@ -80,9 +84,11 @@ def linked_copies(data: Path, folder: Path, copies: int) -> Path:
     return folder
 
 
-def run(recipe: str, folder: Path, out: Path, steps: int, seed: int, slice_tokens: int) -> dict:
+def run(recipe: str, folder: Path, out: Path, steps: int, seed: int, slice_tokens: int,
+        release_every: int | None) -> dict:
     overrides = [f"train_data={folder}", f"output_dir={out}", "overwrite=true", f"max_steps={steps}",
                  f"slice_tokens={slice_tokens}",
+                 *([] if release_every is None else [f"release_host_memory_every={release_every}"]),
                  "max_minutes=null", "eval_every=0", "stop_after_flat_evals=0", "save_every=0", f"seed={seed}",
                  "data_workers=0", f"log_every={steps}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
@@ -97,36 +103,43 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, required=True, help="a `specdec data` folder with recorded states")
     parser.add_argument("--recipe", default="recipes/smollm2-135m-eagle3.yaml")
-    parser.add_argument("--copies", type=int, default=6)
+    parser.add_argument("--copies", type=int, default=6, help="0: the whole --data folder as the large one")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--slice-tokens", type=int, nargs="+", default=[0],
                         help="slice_tokens values to run each case at (0 = whole micro-batches)")
+    parser.add_argument("--release-every", type=int, nargs="+", default=[None],
+                        help="release_host_memory_every values to run each case at [the recipe's]")
+    parser.add_argument("--name", default="train-memory-real", help="docs/results/<date>-<name>.md")
     args = parser.parse_args()
     provenance = results.header("Training's host memory on a real data folder")
     work = Path(tempfile.mkdtemp(prefix="train-memory-real-"))
     small = linked_copies(args.data.resolve(), work / "small", 1)
-    large = linked_copies(args.data.resolve(), work / "large", args.copies)
+    large = linked_copies(args.data.resolve(), work / "large", args.copies) if args.copies else args.data.resolve()
     rows_per_shard = json.loads((small / "manifest.json").read_text())["shards"][0]["examples"]
-    table = ["| slice_tokens | folder | samples | seed | widest micro-batch drawn | peak RssAnon | trained tokens/s |",
-             "|---:|---|---:|---:|---|---:|---:|"]
-    for slice_tokens in args.slice_tokens:
-        for name, folder, copies in (("first shard", small, 1), (f"{args.copies} copies", large, args.copies)):
-            for seed in args.seeds:
-                out = run(args.recipe, folder, work / f"run-{name}-{seed}-{slice_tokens}", args.steps, seed,
-                          slice_tokens)
-                rows, width = out["widest"]
-                rate = out.get("tokens_per_second")
-                table.append(f"| {slice_tokens} | {name} | {rows_per_shard * copies} | {seed} | {rows} x {width} tokens "
-                             f"| {out['peak_anon_mb']:.0f} MB | {f'{rate:.0f}' if rate else '—'} |")
-                print(table[-1], flush=True)
+    large_name = f"{args.copies} copies" if args.copies else "the whole folder"
+    large_rows = rows_per_shard * args.copies or json.loads((large / "manifest.json").read_text())["counts"]["examples"]
+    table = ["| release_host_memory_every | slice_tokens | folder | samples | seed | widest micro-batch drawn "
+             "| peak RssAnon | trained tokens/s |", "|---|---:|---|---:|---:|---|---:|---:|"]
+    for release_every in args.release_every:
+        for slice_tokens in args.slice_tokens:
+            for name, folder, samples in (("first shard", small, rows_per_shard), (large_name, large, large_rows)):
+                for seed in args.seeds:
+                    out = run(args.recipe, folder, work / f"run-{name}-{seed}-{slice_tokens}-{release_every}",
+                              args.steps, seed, slice_tokens, release_every)
+                    rows, width = out["widest"]
+                    rate = out.get("tokens_per_second")
+                    table.append(f"| {'recipe' if release_every is None else release_every} | {slice_tokens} "
+                                 f"| {name} | {samples} | {seed} | {rows} x {width} tokens "
+                                 f"| {out['peak_anon_mb']:.0f} MB | {f'{rate:.0f}' if rate else '—'} |")
+                    print(table[-1], flush=True)
     shutil.rmtree(work, ignore_errors=True)
     body = "\n".join([
         f"{args.steps} training steps of {args.recipe}'s train settings on `{args.data.name}`'s first shard "
-        f"({rows_per_shard} samples) and on {args.copies} copies of it, each seed a different batch order; one "
+        f"({rows_per_shard} samples) and on {large_name if not args.copies else f'{args.copies} copies of it'}, each seed a different batch order; one "
         "process each, one thread, the loader in it, RssAnon sampled every 50 ms.", "", *table, ""])
     print(body)
-    print(f"written to {results.write('train-memory-real', 'Training host memory on a real data folder', body, provenance)}")
+    print(f"written to {results.write(args.name, 'Training host memory on a real data folder', body, provenance)}")
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from specdec.cli import command_help
 from specdec.config import config_from_cli, wants_help
 from specdec.models import load_model, load_tokenizer, resolve_mixed_precision
 from specdec.tokens import tokenizer_pad_id
-from specdec.train import checkpoints, kinds, optim, plan, target_parts
+from specdec.train import checkpoints, host_memory, kinds, optim, plan, target_parts
 from specdec.train import draft as draft_lib
 from specdec.train.batches import (
     CountFrom,
@@ -404,6 +404,7 @@ class Distiller:
             step += 1
             started = time.perf_counter()
             loss, tokens, step_ids = self.train_step(step, micro_batches)
+            self.release_host_memory(step)
             self.time_step(time.perf_counter() - started, len(step_ids), tokens)
             window["loss"] += loss
             window["tokens"] += tokens
@@ -440,6 +441,13 @@ class Distiller:
             consumed.file.close()
         self.accelerator.end_training()
         return final
+
+    def release_host_memory(self, step: int) -> None:
+        """Every release_host_memory_every steps of a CPU run, the heap's freed pages back to the system (inside the
+        timed step: the page faults of taking them again are the step's cost)."""
+        every = self.cfg.release_host_memory_every
+        if every and step % every == 0 and self.device.type == "cpu" and (trim := host_memory.heap_trim()):
+            trim()
 
     def time_step(self, seconds: float, samples: int, tokens: int) -> None:
         """Add a step to the pace, all but the run's first (it also warms the kernels up and caches batches)."""

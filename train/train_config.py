@@ -120,6 +120,10 @@ class TrainConfig:
     # widths instead of one per longest row, and on a CPU the allocator's freed blocks and oneDNN's per-shape
     # kernels are reused rather than grown step after step; the padding is never scored. 1 = to the longest row.
     pad_to_multiple_of: int = 1
+    # On a CPU (glibc): every N optimizer steps, give the heap's freed pages back to the system (malloc_trim). The
+    # trainer's anonymous memory otherwise grows with the steps, as the allocator keeps the freed blocks that varying
+    # batch widths leave (train/host_memory.py). 0 = never.
+    release_host_memory_every: int = 25
     # Loader processes that collate micro-batches (and read recorded states) ahead of the step; 0 = the training
     # process does it.
     data_workers: int = 1
@@ -185,9 +189,9 @@ class TrainConfig:
         if self.slice_tokens < 0:
             raise ValueError(f"slice_tokens must be >= 0 (0 = whole micro-batches), got {self.slice_tokens}")
         if min(self.warmup_steps, self.eval_every, self.save_every, self.data_workers, self.stop_after_flat_evals,
-               self.min_tau_gain) < 0:
-            raise ValueError("warmup_steps, eval_every, save_every, data_workers, stop_after_flat_evals and "
-                             "min_tau_gain must be >= 0")
+               self.min_tau_gain, self.release_host_memory_every) < 0:
+            raise ValueError("warmup_steps, eval_every, save_every, data_workers, stop_after_flat_evals, "
+                             "min_tau_gain and release_host_memory_every must be >= 0")
         if self.stop_after_flat_evals and not self.eval_every:
             raise ValueError("stop_after_flat_evals needs evaluations during training: set eval_every (e.g. 100)")
         if self.draft_vocab_size < -1:
