@@ -117,7 +117,7 @@ def main() -> None:
     small = linked_copies(args.data.resolve(), work / "small", 1)
     large = linked_copies(args.data.resolve(), work / "large", args.copies) if args.copies else args.data.resolve()
     rows_per_shard = json.loads((small / "manifest.json").read_text())["shards"][0]["examples"]
-    large_name = f"{args.copies} copies" if args.copies else "the whole folder"
+    large_name = f"{args.copies} copies of it" if args.copies else "the whole folder"
     large_rows = rows_per_shard * args.copies or json.loads((large / "manifest.json").read_text())["counts"]["examples"]
     table = ["| release_host_memory_every | slice_tokens | folder | samples | seed | widest micro-batch drawn "
              "| peak RssAnon | trained tokens/s |", "|---|---:|---|---:|---:|---|---:|---:|"]
@@ -136,7 +136,7 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
     body = "\n".join([
         f"{args.steps} training steps of {args.recipe}'s train settings on `{args.data.name}`'s first shard "
-        f"({rows_per_shard} samples) and on {large_name if not args.copies else f'{args.copies} copies of it'}, each seed a different batch order; one "
+        f"({rows_per_shard} samples) and on {large_name}, each seed a different batch order; one "
         "process each, one thread, the loader in it, RssAnon sampled every 50 ms.", "", *table, ""])
     print(body)
     print(f"written to {results.write(args.name, 'Training host memory on a real data folder', body, provenance)}")

@@ -147,6 +147,9 @@ CASES = [
     ("padding to a multiple of zero", lambda c, b, o: [
         "train", "--target", c["target"], f"output_dir={o}", "pad_to_multiple_of=0"], 2,
      "pad_to_multiple_of must be >= 1"),
+    ("negative heap release period", lambda c, b, o: [
+        "train", "--target", c["target"], f"output_dir={o}", "release_host_memory_every=-1"], 2,
+     "release_host_memory_every must be >= 0"),
     ("demo passes zero", lambda c, b, o: ["demo", "--plan", "train_passes=0"], 2, "train_passes > 0"),
     ("demo probe of one step", lambda c, b, o: ["demo", "--plan", "probe_steps=1"], 2,
      "probe_steps >= 2 (the first step is not timed)"),

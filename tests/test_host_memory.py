@@ -33,7 +33,7 @@ def test_heap_trim_returns_freed_heap_pages():
     before = _anon_mb()
     trim()
     assert before - _anon_mb() > 100, "malloc_trim gave back less than 100 MB of 250 MB freed"
-    assert kept.sum() == kept.numel()
+    del kept  # held until after the trim
 
 
 def test_the_trainer_trims_on_the_steps_named(tmp_path, monkeypatch):

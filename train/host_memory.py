@@ -21,10 +21,8 @@ def heap_trim() -> Callable[[], None] | None:
     """glibc's malloc_trim(0) as a no-argument call, or None where the C library has none."""
     name = ctypes.util.find_library("c")
     try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
-        return None
-    if trim is None:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):  # a C library without malloc_trim (musl, macOS); None loads our own symbols
         return None
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return lambda: trim(0)
