@@ -150,6 +150,94 @@ def test_the_slot_weights_and_the_anchored_targets():
     assert scored[1, 0].tolist() == [False, True, False, False]  # the completion ends after token 3
 
 
+def test_many_blocks_attend_in_groups_exactly_as_in_one_call(target4, random_draft, monkeypatch):
+    """Training's forward over many anchors attends in groups of whole blocks (attention_group): the logits and
+    the gradients equal one attention call over every block's slots."""
+    from specdec.dflash import model
+    from specdec.eagle3 import target_states
+
+    assert model.attention_group(context=40, anchors=30, block_size=BLOCK) == 64
+    assert model.attention_group(context=1000, anchors=300, block_size=3) == 501  # half the context, whole blocks
+    assert model.attention_group(context=40, anchors=5, block_size=BLOCK) == 20  # never more than every block
+    ids = ragged_prompts(2, VOCAB, seed=8, min_len=40, max_len=40)[0]
+    mask = torch.ones_like(ids)
+    states = target_states(target4, ids, mask, LAYERS)
+    anchors = torch.stack([torch.randperm(39, generator=torch.Generator().manual_seed(r))[:30].sort().values
+                           for r in range(2)])
+    anchors[1, -3:] = -1  # rows with fewer anchors
+
+    def logits_and_grads():
+        random_draft.zero_grad()
+        logits = random_draft(ids, states, anchors, mask)
+        logits.square().sum().backward()
+        return logits, [p.grad.clone() for p in random_draft.parameters() if p.grad is not None]
+
+    grouped = logits_and_grads()  # 120 slots a row: groups of 64 and 56
+    monkeypatch.setattr(model, "attention_group", lambda context, anchors, block_size: anchors * block_size)
+    one_call = logits_and_grads()
+    random_draft.zero_grad()
+    torch.testing.assert_close(grouped[0], one_call[0])
+    assert len(grouped[1]) == len(one_call[1]) > 0
+    for a, b in zip(grouped[1], one_call[1]):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("teacher", ["online", "top-n"])
+@pytest.mark.parametrize("chunk", [5, 4096])
+def test_the_loss_reads_each_predicting_positions_teacher_once_and_equals_a_slot_by_slot_sum(
+        target4, random_draft, teacher, chunk, monkeypatch):
+    """Overlapping blocks predict from one position at several slots: the teacher's head runs once a position
+    (per chunk), and the loss and its gradients equal the slot-by-slot sum of the configured loss."""
+    from specdec.eagle3 import target_states
+    from specdec.train import dflash_train, losses
+    from specdec.train.distill import TrainConfig
+
+    cfg = TrainConfig(draft="dflash", loss="fkl", ce_weight=0.5, dflash={"block_size": BLOCK, "loss_decay": 2.0})
+    ids = ragged_prompts(2, VOCAB, seed=5, min_len=12, max_len=12)[0]
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.roll(-1, 1),
+             "loss_mask": torch.arange(12)[None].expand(2, -1) >= 3}
+    h = target4.config.hidden_size
+    states = torch.cat([torch.randn(2, 12, h, generator=torch.Generator().manual_seed(1)),  # the final states
+                        target_states(target4, ids, mask, LAYERS)], -1)
+    head = target4.lm_head
+    if teacher == "top-n":
+        logprobs = torch.log_softmax(head(states[..., :h]), -1).topk(6, dim=-1)
+        batch["top_ids"], batch["top_logprobs"] = logprobs.indices, logprobs.values
+        head = None
+    anchors = dflash_train.choose_anchors(batch, 9, BLOCK, seed=0)  # every eligible position
+    rows_seen = []
+    if head is not None:
+        monkeypatch.setattr(head, "forward", lambda x, f=head.forward: rows_seen.append(x.shape[0]) or f(x))
+    monkeypatch.setattr(dflash_train, "loss_chunk_rows", lambda vocab: chunk)
+    draft = random_draft
+    loss = dflash_train.dflash_loss(cfg, draft, batch, states, head, None, anchors)
+    grads = torch.autograd.grad(loss, [draft.fc.weight])
+    teacher_rows = sum(rows_seen)
+
+    predictor, local, scored = dflash_train.block_targets(batch, anchors, BLOCK, None, VOCAB)
+    weights = dflash_train.slot_weights(BLOCK, 2.0).expand_as(scored)
+    hiddens = draft(ids, states[..., h:], anchors, mask, head=False)
+    reference = 0.0
+    for b, a, j in scored.nonzero().tolist():
+        student = draft.lm_head(hiddens[b, a, j])[None]
+        at = predictor[b, a, j]
+        dense = (target4.lm_head(states[b, at, :h]) if teacher == "online"
+                 else losses.dense_teacher_logits(batch["top_ids"][b, at], batch["top_logprobs"][b, at], VOCAB))
+        reference = reference + weights[b, a, j] * losses.configured_loss(cfg, student, dense[None],
+                                                                           local[b, a, j][None], summed=True)
+    reference = reference / weights[scored].sum()
+    torch.testing.assert_close(loss, reference, check_dtype=False)
+    torch.testing.assert_close(grads[0], torch.autograd.grad(reference, [draft.fc.weight])[0], check_dtype=False)
+    if head is not None:  # each chunk's distinct predicting positions, once (twice when recomputed in backward)
+        flat = (torch.arange(2)[:, None, None] * 12 + predictor)[scored]
+        count = flat.numel()
+        distinct = sum(flat[i:i + chunk].unique().numel() for i in range(0, count, chunk))
+        assert teacher_rows == distinct * (2 if count > chunk else 1)
+        if count <= chunk:  # one chunk: blocks of 4 overlap, and most positions predict at several slots
+            assert distinct < count / 2
+
+
 @pytest.mark.usefixtures("fresh_accelerate_state")
 def test_dflash_trains_plans_replays_and_publishes(tmp_path, capsys):
     import json

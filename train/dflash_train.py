@@ -77,15 +77,18 @@ def block_targets(batch: dict, anchors: torch.Tensor, block_size: int, inv_map, 
     return predictor, local, scored & known
 
 
-def _loss_sum(cfg, inner, target_head, vocab_map, hidden, teacher_in, top_ids, top_logprobs, local,
+def _loss_sum(cfg, inner, target_head, vocab_map, hidden, teacher_in, top_ids, top_logprobs, teacher_of, local,
               weights) -> torch.Tensor:
-    """The weighted summed loss over a chunk of scored slots.  hidden [N, H]; weights [N]."""
+    """The weighted summed loss over a chunk of scored slots.  hidden [N, H]; weights [N]. The teacher's inputs
+    (teacher_in, or top_ids and top_logprobs) hold each predicting position of the chunk once, and teacher_of [N]
+    points each slot at its position's: overlapping blocks predict from the same position at up to
+    block_size - 1 slots, and the teacher's head is computed once for them."""
     student = inner.lm_head(hidden).float()
     teacher = None
     if losses.reads_teacher(cfg) and target_head is not None:
-        teacher = target_head(teacher_in.to(target_head.weight.dtype)).float()
+        teacher = target_head(teacher_in.to(target_head.weight.dtype)).float()[teacher_of]
     elif losses.reads_teacher(cfg):
-        teacher = losses.dense_teacher_logits(top_ids, top_logprobs, student.shape[-1], vocab_map)
+        teacher = losses.dense_teacher_logits(top_ids, top_logprobs, student.shape[-1], vocab_map)[teacher_of]
     total = student.new_zeros(())
     # configured_loss averages over its rows: one call per distinct weight (a slot index) keeps the weights exact
     for w in weights.unique():
@@ -94,6 +97,19 @@ def _loss_sum(cfg, inner, target_head, vocab_map, hidden, teacher_in, top_ids, t
                                       summed=True)
         total = total + w * part
     return total
+
+
+def teacher_inputs(cfg, batch: dict, states: torch.Tensor, target_head, hidden: int, where: torch.Tensor):
+    """The teacher's inputs at each distinct flat position of `where` [N] (row * width + position) and each
+    slot's index into them: (final states [U, H] or None, top_ids [U, n] or None, top_logprobs [U, n] or None,
+    [N] long). Nothing when no loss term reads the teacher."""
+    if not losses.reads_teacher(cfg):
+        return None, None, None, torch.zeros_like(where)
+    positions, teacher_of = torch.unique(where, return_inverse=True)
+    if target_head is not None:
+        return states.flatten(0, 1)[positions, :hidden], None, None, teacher_of
+    top = [batch[k].flatten(0, 1)[positions] if k in batch else None for k in ("top_ids", "top_logprobs")]
+    return None, *top, teacher_of
 
 
 def dflash_loss(cfg, draft, batch: dict, states: torch.Tensor, target_head, inv_map, anchors: torch.Tensor,
@@ -110,14 +126,14 @@ def dflash_loss(cfg, draft, batch: dict, states: torch.Tensor, target_head, inv_
         denominator = weights[scored].sum().clamp(min=1)
     total = hiddens.sum() * 0.0 + inner.lm_head(hiddens[:, :1, 0]).sum() * 0.0  # every parameter in the graph
     b_index = torch.arange(scored.shape[0], device=scored.device)[:, None, None].expand_as(scored)
-    rows, at = b_index[scored], predictor[scored]
-    picked = [hiddens[scored], states[rows, at, :hidden] if target_head is not None else None,
-              batch["top_ids"][rows, at] if target_head is None and "top_ids" in batch else None,
-              batch["top_logprobs"][rows, at] if target_head is None and "top_logprobs" in batch else None,
-              local[scored], weights[scored]]
+    # each slot's predicting position, flat over the batch's rows
+    where = b_index[scored] * batch["input_ids"].shape[1] + predictor[scored]
+    picked = [hiddens[scored], local[scored], weights[scored]]
     chunk, count = loss_chunk_rows(inner.config.draft_vocab_size), picked[0].shape[0]
     for start in range(0, count, chunk):
-        part = [x[start:start + chunk] if x is not None else None for x in picked]
+        slots, teacher = slice(start, start + chunk), teacher_inputs(cfg, batch, states, target_head, hidden,
+                                                                     where[start:start + chunk])
+        part = [picked[0][slots], *teacher, *(x[slots] for x in picked[1:])]
         if count > chunk:  # recomputed in backward: one chunk's logits at a time
             total = total + checkpoint(_loss_sum, cfg, inner, target_head, inv_map, *part, use_reentrant=False)
         else:

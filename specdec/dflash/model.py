@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import Qwen3Config
 from transformers.models.llama.modeling_llama import repeat_kv
 from transformers.models.qwen3.modeling_qwen3 import (
@@ -100,19 +101,37 @@ class DFlashLayer(nn.Module):
         return k * cos + _rotate_half(k) * sin, v
 
     def forward(self, x: torch.Tensor, context: tuple[torch.Tensor, torch.Tensor], cos, sin,
-                allowed: torch.Tensor) -> torch.Tensor:
-        """The block's slots x [B, q, H] after this layer; `allowed` [B or 1, 1, q, n_context + q]."""
+                allowed: torch.Tensor, group: int | None = None) -> torch.Tensor:
+        """The block's slots x [B, q, H] after this layer; `allowed` [B or 1, 1, q, n_context + q]. With `group`,
+        the slots attend in groups of that many, each to the context and its own group's slots: exact when no
+        slot attends to a slot of another group (whole blocks per group, `attention_group`)."""
         b, n, _ = x.shape
         attn = self.self_attn
         h = self.input_layernorm(x)
         q = attn.q_norm(attn.q_proj(h).view(b, n, self.heads, self.head_dim)).transpose(1, 2)
         q = q * cos[:, None] + _rotate_half(q) * sin[:, None]
         k, v = self.keys_values(h, cos, sin)
-        k, v = torch.cat([context[0], k], dim=2), torch.cat([context[1], v], dim=2)
-        rep = self.heads // self.kv_heads
-        out = F.scaled_dot_product_attention(q, repeat_kv(k, rep), repeat_kv(v, rep), attn_mask=allowed)
+        step, n_context = group or n, context[0].shape[2]
+        if step >= n:
+            out = self.attend(q, *context, k, v, allowed)
+        else:  # each group's keys copy the context's: recomputed in backward, so no group keeps its copy
+            parts = []
+            for start in range(0, n, step):
+                own = slice(start, start + step)
+                mask = torch.cat([allowed[..., own, :n_context],
+                                  allowed[..., own, n_context + start:n_context + start + step]], -1)
+                args = (q[:, :, own], *context, k[:, :, own], v[:, :, own], mask)
+                parts.append(checkpoint(self.attend, *args, use_reentrant=False) if torch.is_grad_enabled()
+                             else self.attend(*args))
+            out = torch.cat(parts, dim=2)
         x = x + attn.o_proj(out.transpose(1, 2).reshape(b, n, -1))
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def attend(self, q, context_k, context_v, k, v, mask) -> torch.Tensor:
+        """Slots q attending to the context's keys and values, then to slots' k and v, as `mask` allows."""
+        rep = self.heads // self.kv_heads
+        keys, values = torch.cat([context_k, k], dim=2), torch.cat([context_v, v], dim=2)
+        return F.scaled_dot_product_attention(q, repeat_kv(keys, rep), repeat_kv(values, rep), attn_mask=mask)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -153,14 +172,14 @@ class DFlashDraft(HiddenStateDraft):
         return [layer.keys_values(c, cos, sin) for layer in self.layers]
 
     def block(self, ids: torch.Tensor, positions: torch.Tensor, context: ContextKV,
-              allowed: torch.Tensor, head: bool = True) -> torch.Tensor:
+              allowed: torch.Tensor, head: bool = True, group: int | None = None) -> torch.Tensor:
         """Logits [B, q, draft_vocab] of block slots `ids` [B, q] at `positions` [B, q] (the final norm's output
         [B, q, H] without `head`); `allowed` [B or 1, 1, q, n_context + q] says which context keys and slots each
-        slot attends to."""
+        slot attends to; `group`: DFlashLayer.forward's."""
         x = self.embed_tokens(ids)
         cos, sin = self.rotary_emb(x, positions)
         for layer, kv in zip(self.layers, context):
-            x = layer(x, kv, cos, sin, allowed)
+            x = layer(x, kv, cos, sin, allowed, group)
         return self.lm_head(self.norm(x)) if head else self.norm(x)
 
     def forward(self, input_ids: torch.Tensor, states: torch.Tensor, anchors: torch.Tensor,
@@ -183,7 +202,8 @@ class DFlashDraft(HiddenStateDraft):
         ids[:, :, 0] = input_ids.gather(1, anchor)
         slot_positions = positions.gather(1, anchor)[..., None] + torch.arange(bs, device=input_ids.device)
         allowed = anchored_mask(anchors, docs, attention_mask, bs)
-        out = self.block(ids.flatten(1), slot_positions.flatten(1), context, allowed, head)
+        out = self.block(ids.flatten(1), slot_positions.flatten(1), context, allowed, head,
+                         attention_group(s, anchors.shape[1], bs))
         return out.view(b, anchors.shape[1], bs, -1)
 
     # ---- construction, saving and loading
@@ -212,6 +232,15 @@ class DFlashDraft(HiddenStateDraft):
                         speculators: dict | None = None, **_ignored) -> None:
         formats.write(out_dir, self.config, self.weights(state_dict), self.dtype, format or formats.FORMATS[0],
                       speculators)
+
+
+def attention_group(context: int, anchors: int, block_size: int) -> int:
+    """Slots per attention call when many blocks run at once: whole blocks, about half the context's length and
+    at least 64 slots. A slot reads no other block's slots, so one call over every block would spend most of its
+    work on masked keys; each group's call reads the context and its own slots only (half the context: at most
+    1.5x the context's keys, against 1 + slots / context for one call)."""
+    slots = max(64, context // 2)
+    return min(anchors, max(1, -(-slots // block_size))) * block_size
 
 
 def anchored_mask(anchors: torch.Tensor, docs: torch.Tensor, attention_mask: torch.Tensor | None,

@@ -6,6 +6,7 @@ recording)."""
 from __future__ import annotations
 
 from specdec.dflash import DFlashDraft, default_layer_ids, draft_config
+from specdec.dflash.model import attention_group
 from specdec.dflash.replay import ANCHORS_PER_FORWARD
 from specdec.eagle3 import check_layer_ids
 from specdec.train.eagle3_train import LOSS_CHUNK_VALUES
@@ -51,8 +52,10 @@ def dflash_activations(batch: int, length: int, anchors: int, block: int, layers
     their norms and rotary, o_proj's input, gate, up, silu(gate), their product; half autocast about half), for
     each context position its keys and values (8 K float32) and, once, fc's input, output and hidden_norm's
     (aux H + 2 H). The attention's boolean mask [Q, C + Q] and a memory-efficient kernel's float32 output and
-    log-sum-exp per head; the loss's chunked logits (2^24 values, 41 bytes each at a divergence's peak) and
-    the scored rows' inputs (4 H + 4 H_target each)."""
+    log-sum-exp per head; its keys and values repeated to every head (2 Q_heads each): kept by every layer when
+    one call attends every slot, one group's at a time (with their gradients) when the slots attend in groups
+    (`attention_group`, recomputed in backward); the loss's chunked logits (2^24 values, 41 bytes each at a
+    divergence's peak) and the scored rows' inputs (4 H + 4 H_target each)."""
     act = 2 if half else 4
     slots = batch * min(anchors, length) * block
     context = batch * length
@@ -60,6 +63,10 @@ def dflash_activations(batch: int, length: int, anchors: int, block: int, layers
     per_context = layers * 2 * w.kv * act + (aux + 2) * w.hidden * 4
     mask = slots * (context + slots) // max(1, batch)
     attention = batch * w.heads * min(anchors, length) * block * 8
+    row_slots = min(anchors, length) * block
+    group = attention_group(length, min(anchors, length), block)
+    repeated = batch * 2 * w.q * act
+    attention += repeated * (layers * (length + row_slots) if group >= row_slots else 2 * (length + group))
     loss = slots * 8 * w.hidden + 41 * min(slots, LOSS_CHUNK_VALUES // draft_vocab + 1) * draft_vocab
     return slots * per_slot + context * per_context + mask + attention + loss
 
