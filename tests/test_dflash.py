@@ -213,7 +213,7 @@ def test_the_loss_reads_each_predicting_positions_teacher_once_and_equals_a_slot
     draft = random_draft
     loss = dflash_train.dflash_loss(cfg, draft, batch, states, head, None, anchors)
     grads = torch.autograd.grad(loss, [draft.fc.weight])
-    teacher_rows = sum(rows_seen)
+    teacher_rows = sum(rows_seen)  # counted before the reference below runs the head itself
 
     predictor, local, scored = dflash_train.block_targets(batch, anchors, BLOCK, None, VOCAB)
     weights = dflash_train.slot_weights(BLOCK, 2.0).expand_as(scored)

@@ -11,7 +11,8 @@ step's total weight over every process and micro-batch, so two processes train e
 The loss is the configured one (train/losses.py) against the target's distribution over the draft vocabulary
 (online: the target's head rows on its final hidden state at a + j - 1; offline: the stored top-n there) and
 its tokens, at slots whose token the draft's vocabulary holds. It is summed over chunks of slots recomputed in
-backward, so no [slots, vocabulary] tensor of a whole batch exists. The target's states come per batch from the
+backward, so no [slots, vocabulary] tensor of a whole batch exists; the teacher's head runs once per predicting
+position of a chunk (overlapping blocks share them). The target's states come per batch from the
 data stage's recording or from the target (train/eagle3_states.py, shared with EAGLE-3).
 
 Anchors are drawn from a generator seeded by the run's seed and the row's tokens: the same on any number of
@@ -102,9 +103,9 @@ def _loss_sum(cfg, inner, target_head, vocab_map, hidden, teacher_in, top_ids, t
 def teacher_inputs(cfg, batch: dict, states: torch.Tensor, target_head, hidden: int, where: torch.Tensor):
     """The teacher's inputs at each distinct flat position of `where` [N] (row * width + position) and each
     slot's index into them: (final states [U, H] or None, top_ids [U, n] or None, top_logprobs [U, n] or None,
-    [N] long). Nothing when no loss term reads the teacher."""
+    [N] long); all None when no loss term reads the teacher."""
     if not losses.reads_teacher(cfg):
-        return None, None, None, torch.zeros_like(where)
+        return None, None, None, None
     positions, teacher_of = torch.unique(where, return_inverse=True)
     if target_head is not None:
         return states.flatten(0, 1)[positions, :hidden], None, None, teacher_of
