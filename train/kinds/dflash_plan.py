@@ -57,16 +57,16 @@ def dflash_activations(batch: int, length: int, anchors: int, block: int, layers
     (`attention_group`, recomputed in backward); the loss's chunked logits (2^24 values, 41 bytes each at a
     divergence's peak) and the scored rows' inputs (4 H + 4 H_target each)."""
     act = 2 if half else 4
-    slots = batch * min(anchors, length) * block
-    context = batch * length
+    row_anchors = min(anchors, length)
+    row_slots = row_anchors * block
+    slots, context = batch * row_slots, batch * length
     per_slot = layers * (4 * w.hidden + 2 * w.q + 2 * w.kv + 4 * w.intermediate) * act + 4 * w.hidden
     per_context = layers * 2 * w.kv * act + (aux + 2) * w.hidden * 4
     mask = slots * (context + slots) // max(1, batch)
-    attention = batch * w.heads * min(anchors, length) * block * 8
-    row_slots = min(anchors, length) * block
-    group = attention_group(length, min(anchors, length), block)
-    repeated = batch * 2 * w.q * act
-    attention += repeated * (layers * (length + row_slots) if group >= row_slots else 2 * (length + group))
+    group = attention_group(length, row_anchors, block)
+    repeated = batch * 2 * w.q * act  # a key and a value per head, per key position
+    attention = batch * w.heads * row_slots * 8 + repeated * (
+        layers * (length + row_slots) if group >= row_slots else 2 * (length + group))
     loss = slots * 8 * w.hidden + 41 * min(slots, LOSS_CHUNK_VALUES // draft_vocab + 1) * draft_vocab
     return slots * per_slot + context * per_context + mask + attention + loss
 
