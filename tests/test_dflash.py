@@ -182,6 +182,47 @@ def test_many_blocks_attend_in_groups_exactly_as_in_one_call(target4, random_dra
         torch.testing.assert_close(a, b)
 
 
+def test_a_groups_mask_is_built_for_it_alone_and_not_kept_for_backward(target4, random_draft, monkeypatch):
+    """The slots' attention mask stays compact ([B, A, S], AnchoredMask): a group's dense part equals the whole
+    mask's slice for those slots, and no group's dense mask outlives the forward (each is rebuilt in backward)."""
+    import gc
+    import weakref
+
+    from specdec.dflash import model
+    from specdec.eagle3 import target_states
+
+    ids = ragged_prompts(2, VOCAB, seed=8, min_len=40, max_len=40)[0]
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # a left-padded row
+    anchors = torch.stack([torch.randperm(39, generator=torch.Generator().manual_seed(r))[:30].sort().values
+                           for r in range(2)])
+    anchors[1, -3:] = -1
+    allowed = model.anchored_mask(anchors, torch.zeros_like(ids), mask, BLOCK)
+    whole, n_context = allowed.dense(), ids.shape[1]
+    assert whole.shape == (2, 1, 30 * BLOCK, n_context + 30 * BLOCK) and allowed.dense() is whole
+    for start, stop in ((0, 64), (64, 120), (8, 12)):
+        torch.testing.assert_close(allowed.dense(start, stop), torch.cat(
+            [whole[..., start:stop, :n_context], whole[..., start:stop, n_context + start:n_context + stop]], -1))
+
+    built = []
+    dense = model.AnchoredMask.dense
+
+    def recorded(self, start=0, stop=None):
+        out = dense(self, start, stop)
+        built.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(model.AnchoredMask, "dense", recorded)
+    states = target_states(target4, ids, mask, LAYERS)
+    logits = random_draft(ids, states, anchors, mask)  # 120 slots a row: groups of 64 and 56, 2 layers
+    assert len(built) == 2 * 2
+    gc.collect()
+    assert [ref() for ref in built] == [None] * 4
+    logits.square().sum().backward()
+    assert len(built) == 2 * 4  # each group's mask built again in backward
+    random_draft.zero_grad()
+
+
 @pytest.mark.parametrize("teacher", ["online", "top-n"])
 @pytest.mark.parametrize("chunk", [5, 4096])
 def test_the_loss_reads_each_predicting_positions_teacher_once_and_equals_a_slot_by_slot_sum(

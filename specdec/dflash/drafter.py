@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specdec.dflash.model import DFlashDraft
+from specdec.dflash.model import AnchoredMask, DFlashDraft
 from specdec.drafter import Drafter
 from specdec.eagle3.drafter import _HiddenWindow
 from specdec.eagle3.states import HiddenStateRecorder
@@ -58,9 +58,7 @@ class DFlashDrafter(Drafter):
         context = torch.ones(batch.seq.shape[0], self.cached, dtype=torch.bool, device=batch.seq.device)
         if batch.mask is not None:
             context = batch.mask[:, : self.cached].bool()
-        own = torch.ones_like(context[:, :1]).expand(-1, slots)
-        allowed = torch.cat([context, own], dim=1)[:, None, None, :].expand(-1, 1, slots, -1)
-        return self.model.block(ids, positions, self.context, allowed)
+        return self.model.block(ids, positions, self.context, AnchoredMask(context[:, None], slots))
 
     def propose(self, batch: Batch, k: int, generator, stats):
         self._extend_context(batch, batch.length - 1)

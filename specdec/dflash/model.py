@@ -101,31 +101,33 @@ class DFlashLayer(nn.Module):
         return k * cos + _rotate_half(k) * sin, v
 
     def forward(self, x: torch.Tensor, context: tuple[torch.Tensor, torch.Tensor], cos, sin,
-                allowed: torch.Tensor, group: int | None = None) -> torch.Tensor:
-        """The block's slots x [B, q, H] after this layer; `allowed` [B or 1, 1, q, n_context + q]. With `group`,
-        the slots attend in groups of that many, each to the context and its own group's slots: exact when no
-        slot attends to a slot of another group (whole blocks per group, `attention_group`)."""
+                allowed: AnchoredMask, group: int | None = None) -> torch.Tensor:
+        """The block's slots x [B, q, H] after this layer; `allowed` says which context keys and slots each slot
+        attends to. With `group`, the slots attend in groups of that many, each to the context and its own group's
+        slots: exact when no slot attends to a slot of another group (whole blocks per group, `attention_group`)."""
         b, n, _ = x.shape
         attn = self.self_attn
         h = self.input_layernorm(x)
         q = attn.q_norm(attn.q_proj(h).view(b, n, self.heads, self.head_dim)).transpose(1, 2)
         q = q * cos[:, None] + _rotate_half(q) * sin[:, None]
         k, v = self.keys_values(h, cos, sin)
-        step, n_context = group or n, context[0].shape[2]
+        step = group or n
         if step >= n:
-            out = self.attend(q, *context, k, v, allowed)
-        else:  # each group's keys copy the context's: recomputed in backward, so no group keeps its copy
-            parts = []
+            out = self.attend(q, *context, k, v, allowed.dense())
+        else:  # each group's keys copy the context's, and its mask is built for it alone: both recomputed in
+            parts = []  # backward, so a group keeps neither, only the compact mask that every group shares
             for start in range(0, n, step):
                 own = slice(start, start + step)
-                mask = torch.cat([allowed[..., own, :n_context],
-                                  allowed[..., own, n_context + start:n_context + start + step]], -1)
-                args = (q[:, :, own], *context, k[:, :, own], v[:, :, own], mask)
-                parts.append(checkpoint(self.attend, *args, use_reentrant=False) if torch.is_grad_enabled()
-                             else self.attend(*args))
+                args = (q[:, :, own], *context, k[:, :, own], v[:, :, own], allowed, start, min(start + step, n))
+                parts.append(checkpoint(self.attend_group, *args, use_reentrant=False) if torch.is_grad_enabled()
+                             else self.attend_group(*args))
             out = torch.cat(parts, dim=2)
         x = x + attn.o_proj(out.transpose(1, 2).reshape(b, n, -1))
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def attend_group(self, q, context_k, context_v, k, v, allowed: AnchoredMask, start: int, stop: int):
+        """Slots start .. stop - 1 (q, k, v theirs alone) attending as `allowed` says."""
+        return self.attend(q, context_k, context_v, k, v, allowed.dense(start, stop))
 
     def attend(self, q, context_k, context_v, k, v, mask) -> torch.Tensor:
         """Slots q attending to the context's keys and values, then to slots' k and v, as `mask` allows."""
@@ -172,10 +174,10 @@ class DFlashDraft(HiddenStateDraft):
         return [layer.keys_values(c, cos, sin) for layer in self.layers]
 
     def block(self, ids: torch.Tensor, positions: torch.Tensor, context: ContextKV,
-              allowed: torch.Tensor, head: bool = True, group: int | None = None) -> torch.Tensor:
+              allowed: AnchoredMask, head: bool = True, group: int | None = None) -> torch.Tensor:
         """Logits [B, q, draft_vocab] of block slots `ids` [B, q] at `positions` [B, q] (the final norm's output
-        [B, q, H] without `head`); `allowed` [B or 1, 1, q, n_context + q] says which context keys and slots each
-        slot attends to; `group`: DFlashLayer.forward's."""
+        [B, q, H] without `head`); `allowed` says which context keys and slots each slot attends to; `group`:
+        DFlashLayer.forward's."""
         x = self.embed_tokens(ids)
         cos, sin = self.rotary_emb(x, positions)
         for layer, kv in zip(self.layers, context):
@@ -243,19 +245,43 @@ def attention_group(context: int, anchors: int, block_size: int) -> int:
     return min(anchors, max(1, -(-slots // block_size))) * block_size
 
 
+class AnchoredMask:
+    """Which keys each block slot attends to, kept compact: per block, the context positions its slots read
+    (`context` [B, A, S] bool, the same for every slot of a block), and every slot of its own block, none of
+    another. `dense(start, stop)` is the attention mask of slots start .. stop - 1 alone: a forward over many
+    blocks in groups then never holds every slot's mask (slots x (context + slots) booleans a row), and a group's
+    checkpointed attention keeps this compact mask for backward, not its dense part."""
+
+    def __init__(self, context: torch.Tensor, block_size: int):
+        self.context, self.block_size = context, block_size
+        self._whole: torch.Tensor | None = None
+
+    def dense(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """[B, 1, stop - start, S + stop - start] bool: the context's keys, then the slots start .. stop - 1
+        (`start` on a block's first slot). The whole mask is built once and shared by every layer."""
+        bs, total = self.block_size, self.context.shape[1] * self.block_size
+        stop = total if stop is None else stop
+        whole = start == 0 and stop == total
+        if whole and self._whole is not None:
+            return self._whole
+        context = self.context[:, start // bs: -(-stop // bs)].repeat_interleave(bs, dim=1)[:, : stop - start]
+        block_of = torch.arange(start, stop, device=context.device) // bs
+        own = (block_of[:, None] == block_of[None, :])[None].expand(context.shape[0], -1, -1)
+        mask = torch.cat([context, own], dim=2)[:, None]
+        if whole:
+            self._whole = mask
+        return mask
+
+
 def anchored_mask(anchors: torch.Tensor, docs: torch.Tensor, attention_mask: torch.Tensor | None,
-                  block_size: int) -> torch.Tensor:
+                  block_size: int) -> AnchoredMask:
     """Which keys each block slot attends to: the real context positions before its anchor in the anchor's
-    document, and every slot of its own block.  anchors [B, A], docs [B, S] -> [B, 1, A bs, S + A bs] bool"""
-    b, s = docs.shape
-    a = anchors.shape[1]
+    document, and every slot of its own block.  anchors [B, A], docs [B, S]"""
+    s = docs.shape[1]
     index = torch.arange(s, device=docs.device)
     anchor = anchors.clamp_min(0)
     same_doc = docs[:, None, :] == docs.gather(1, anchor)[..., None]  # [B, A, S]
     context = same_doc & (index[None, None] < anchors[..., None])
     if attention_mask is not None:
         context = context & attention_mask[:, None, :].bool()
-    context = context.repeat_interleave(block_size, dim=1)  # [B, A bs, S]
-    block_of = torch.arange(a * block_size, device=docs.device) // block_size
-    own = (block_of[:, None] == block_of[None, :])[None].expand(b, -1, -1)
-    return torch.cat([context, own], dim=2)[:, None]
+    return AnchoredMask(context, block_size)
