@@ -17,7 +17,11 @@ by the batch shape (what `specdec train --plan` bounds), whatever the data's siz
 case at each bound (train_config.py `slice_tokens`: a micro-batch's forward and backward in slices of rows), and the
 table adds the run's trained tokens/s over its timed steps (train_summary.json's pace). `--release-every` likewise
 runs each case at each `release_host_memory_every` (train/host_memory.py; 0 = the heap never trimmed), which
-decides whether a long run's peak follows its steps.
+decides whether a long run's peak follows its steps. `--malloc` runs each case under each set of the C library's
+allocator settings given as environment variables (`default`: none), e.g. glibc's `MALLOC_MMAP_THRESHOLD_` (every
+block at least that large mapped on its own and unmapped when freed, where glibc otherwise raises the threshold up
+to 32 MiB and keeps such blocks in its heap) and `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` (those mappings in
+transparent huge pages): what is left between the folders then is what the steps hold live, not what the heap keeps.
 """
 
 from __future__ import annotations
@@ -84,14 +88,24 @@ def linked_copies(data: Path, folder: Path, copies: int) -> Path:
     return folder
 
 
-def run(recipe: str, folder: Path, out: Path, steps: int, seed: int, slice_tokens: int,
-        release_every: int | None) -> dict:
+def malloc_env(variant: str) -> dict[str, str]:
+    """`default` -> {}; "NAME=VALUE,NAME=VALUE" -> those variables."""
+    if variant == "default":
+        return {}
+    pairs = [item.split("=", 1) for item in variant.split(",")]
+    if any(len(pair) != 2 or not pair[0] for pair in pairs):
+        raise SystemExit(f"--malloc {variant!r}: give `default` or NAME=VALUE[,NAME=VALUE...]")
+    return dict(pairs)
+
+
+def run(recipe: str, folder: Path, out: Path, steps: int, seed: int, slice_tokens: int | None,
+        release_every: int | None, malloc: str = "default") -> dict:
     overrides = [f"train_data={folder}", f"output_dir={out}", "overwrite=true", f"max_steps={steps}",
-                 f"slice_tokens={slice_tokens}",
+                 *([] if slice_tokens is None else [f"slice_tokens={slice_tokens}"]),
                  *([] if release_every is None else [f"release_host_memory_every={release_every}"]),
                  "max_minutes=null", "eval_every=0", "stop_after_flat_evals=0", "save_every=0", f"seed={seed}",
                  "data_workers=0", f"log_every={steps}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", **malloc_env(malloc))
     proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps({"recipe": recipe, "overrides": overrides})],
                           cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -106,10 +120,12 @@ def main() -> None:
     parser.add_argument("--copies", type=int, default=6, help="0: the whole --data folder as the large one")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--slice-tokens", type=int, nargs="+", default=[0],
-                        help="slice_tokens values to run each case at (0 = whole micro-batches)")
+    parser.add_argument("--slice-tokens", type=int, nargs="+", default=[None],
+                        help="slice_tokens values to run each case at (0 = whole micro-batches) [the recipe's]")
     parser.add_argument("--release-every", type=int, nargs="+", default=[None],
                         help="release_host_memory_every values to run each case at [the recipe's]")
+    parser.add_argument("--malloc", nargs="+", default=["default"],
+                        help="allocator settings to run each case under: `default` or NAME=VALUE[,NAME=VALUE...]")
     parser.add_argument("--name", default="train-memory-real", help="docs/results/<date>-<name>.md")
     args = parser.parse_args()
     provenance = results.header("Training's host memory on a real data folder")
@@ -119,25 +135,44 @@ def main() -> None:
     rows_per_shard = json.loads((small / "manifest.json").read_text())["shards"][0]["examples"]
     large_name = f"{args.copies} copies of it" if args.copies else "the whole folder"
     large_rows = rows_per_shard * args.copies or json.loads((large / "manifest.json").read_text())["counts"]["examples"]
-    table = ["| release_host_memory_every | slice_tokens | folder | samples | seed | widest micro-batch drawn "
-             "| peak RssAnon | trained tokens/s |", "|---|---:|---|---:|---:|---|---:|---:|"]
-    for release_every in args.release_every:
-        for slice_tokens in args.slice_tokens:
-            for name, folder, samples in (("first shard", small, rows_per_shard), (large_name, large, large_rows)):
-                for seed in args.seeds:
-                    out = run(args.recipe, folder, work / f"run-{name}-{seed}-{slice_tokens}-{release_every}",
-                              args.steps, seed, slice_tokens, release_every)
-                    rows, width = out["widest"]
-                    rate = out.get("tokens_per_second")
-                    table.append(f"| {'recipe' if release_every is None else release_every} | {slice_tokens} "
-                                 f"| {name} | {samples} | {seed} | {rows} x {width} tokens "
-                                 f"| {out['peak_anon_mb']:.0f} MB | {f'{rate:.0f}' if rate else '—'} |")
-                    print(table[-1], flush=True)
+    table = ["| allocator | release_host_memory_every | slice_tokens | folder | samples | seed | widest micro-batch "
+             "drawn | peak RssAnon | trained tokens/s |", "|---|---|---:|---|---:|---:|---|---:|---:|"]
+    measured = {}  # (malloc, release_every, slice_tokens, folder, seed) -> the child's result
+    for malloc in args.malloc:
+        for release_every in args.release_every:
+            for slice_tokens in args.slice_tokens:
+                for name, folder, samples in (("first shard", small, rows_per_shard), (large_name, large, large_rows)):
+                    for seed in args.seeds:
+                        out = run(args.recipe, folder, work / f"run-{len(measured)}", args.steps, seed, slice_tokens,
+                                  release_every, malloc)
+                        measured[malloc, release_every, slice_tokens, name, seed] = out
+                        rows, width = out["widest"]
+                        rate = out.get("tokens_per_second")
+                        table.append(f"| {malloc} | {'recipe' if release_every is None else release_every} "
+                                     f"| {'recipe' if slice_tokens is None else slice_tokens} | {name} | {samples} "
+                                     f"| {seed} | {rows} x {width} tokens | {out['peak_anon_mb']:.0f} MB "
+                                     f"| {f'{rate:.0f}' if rate else '—'} |")
+                        print(table[-1], flush=True)
+    ratios = []
+    for (malloc, release_every, slice_tokens, name, seed), out in measured.items():
+        if name != large_name:
+            continue
+        small_out = measured[malloc, release_every, slice_tokens, "first shard", seed]
+        line = (f"- {malloc}, release {release_every}, slices {slice_tokens}, seed {seed}: peak {large_name} / first "
+                f"shard **{out['peak_anon_mb'] / small_out['peak_anon_mb']:.2f}x**")
+        base = measured.get(("default", release_every, slice_tokens, name, seed))
+        if malloc != "default" and base and out.get("tokens_per_second") and base.get("tokens_per_second"):
+            small_base = measured["default", release_every, slice_tokens, "first shard", seed]
+            line += (f"; against `default` in this run: peaks {small_out['peak_anon_mb'] / small_base['peak_anon_mb']:.2f}x"
+                     f" / {out['peak_anon_mb'] / base['peak_anon_mb']:.2f}x, trained tokens/s "
+                     f"{small_out['tokens_per_second'] / small_base['tokens_per_second']:.2f}x"
+                     f" / {out['tokens_per_second'] / base['tokens_per_second']:.2f}x (first shard / {large_name})")
+        ratios.append(line)
     shutil.rmtree(work, ignore_errors=True)
     body = "\n".join([
         f"{args.steps} training steps of {args.recipe}'s train settings on `{args.data.name}`'s first shard "
         f"({rows_per_shard} samples) and on {large_name}, each seed a different batch order; one "
-        "process each, one thread, the loader in it, RssAnon sampled every 50 ms.", "", *table, ""])
+        "process each, one thread, the loader in it, RssAnon sampled every 50 ms.", "", *table, "", *ratios, ""])
     print(body)
     print(f"written to {results.write(args.name, 'Training host memory on a real data folder', body, provenance)}")
 
