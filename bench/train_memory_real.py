@@ -88,6 +88,11 @@ def linked_copies(data: Path, folder: Path, copies: int) -> Path:
     return folder
 
 
+def shown(value: int | None) -> str:
+    """A key's value as the page names it: `recipe` where the run kept the recipe's."""
+    return "recipe" if value is None else str(value)
+
+
 def malloc_env(variant: str) -> dict[str, str]:
     """`default` -> {}; "NAME=VALUE,NAME=VALUE" -> those variables."""
     if variant == "default":
@@ -148,8 +153,7 @@ def main() -> None:
                         measured[malloc, release_every, slice_tokens, name, seed] = out
                         rows, width = out["widest"]
                         rate = out.get("tokens_per_second")
-                        table.append(f"| {malloc} | {'recipe' if release_every is None else release_every} "
-                                     f"| {'recipe' if slice_tokens is None else slice_tokens} | {name} | {samples} "
+                        table.append(f"| {malloc} | {shown(release_every)} | {shown(slice_tokens)} | {name} | {samples} "
                                      f"| {seed} | {rows} x {width} tokens | {out['peak_anon_mb']:.0f} MB "
                                      f"| {f'{rate:.0f}' if rate else '—'} |")
                         print(table[-1], flush=True)
@@ -158,7 +162,7 @@ def main() -> None:
         if name != large_name:
             continue
         small_out = measured[malloc, release_every, slice_tokens, "first shard", seed]
-        line = (f"- {malloc}, release {release_every}, slices {slice_tokens}, seed {seed}: peak {large_name} / first "
+        line = (f"- {malloc}, release {shown(release_every)}, slices {shown(slice_tokens)}, seed {seed}: peak {large_name} / first "
                 f"shard **{out['peak_anon_mb'] / small_out['peak_anon_mb']:.2f}x**")
         base = measured.get(("default", release_every, slice_tokens, name, seed))
         if malloc != "default" and base and out.get("tokens_per_second") and base.get("tokens_per_second"):

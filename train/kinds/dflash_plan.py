@@ -55,20 +55,20 @@ def dflash_activations(batch: int, length: int, anchors: int, block: int, layers
     dense ([q, S + q] a row) for one group's q slots at a time, or for every slot once when one call attends them
     all; a memory-efficient kernel's float32 output and log-sum-exp per head; its keys and values repeated to
     every head (2 Q_heads each): kept by every layer when one call attends every slot, one group's at a time
-    (with their gradients) when the slots attend in groups (`attention_group`, recomputed in backward); the loss's chunked logits (2^24 values, 41 bytes each at a
-    divergence's peak) and the scored rows' inputs (4 H + 4 H_target each)."""
+    (with their gradients) when the slots attend in groups (`attention_group`, recomputed in backward); the
+    loss's chunked logits (2^24 values, 41 bytes each at a divergence's peak) and the scored rows' inputs
+    (4 H + 4 H_target each)."""
     act = 2 if half else 4
     row_anchors = min(anchors, length)
     row_slots = row_anchors * block
     slots, context = batch * row_slots, batch * length
     per_slot = layers * (4 * w.hidden + 2 * w.q + 2 * w.kv + 4 * w.intermediate) * act + 4 * w.hidden
     per_context = layers * 2 * w.kv * act + (aux + 2) * w.hidden * 4
-    group = attention_group(length, row_anchors, block)
-    dense = row_slots if group >= row_slots else group
-    mask = batch * (row_anchors * length + dense * (length + dense))
+    group = min(attention_group(length, row_anchors, block), row_slots)  # row_slots: one call attends every slot
+    mask = batch * (row_anchors * length + group * (length + group))
     repeated = batch * 2 * w.q * act  # a key and a value per head, per key position
     attention = batch * w.heads * row_slots * 8 + repeated * (
-        layers * (length + row_slots) if group >= row_slots else 2 * (length + group))
+        layers * (length + row_slots) if group == row_slots else 2 * (length + group))
     loss = slots * 8 * w.hidden + 41 * min(slots, LOSS_CHUNK_VALUES // draft_vocab + 1) * draft_vocab
     return slots * per_slot + context * per_context + mask + attention + loss
 
