@@ -1,21 +1,23 @@
-"""The data stage's prefill in groups against one padded forward, and a larger decoding batch, in one run.
+"""The data stage's batch handling against one padded forward that runs every row to the end, in one run: the
+prefill in groups, finished rows dropped from the decoding batch, a larger batch.
 
     python bench/data_prefill.py                      # 256 embedded training prompts (one demo shard's worth)
     python bench/data_prefill.py --prompts 128 --dtype float32 --variants grouped   # a CPU without native bf16
+    python bench/data_prefill.py --variants grouped grouped-drop --exact-variant grouped-drop
 
 1. Speed: `specdec.train.data.run`, exactly as `specdec data` runs it (seconds from its manifest, so model loading
    is left out), at the demo recipe's data settings (bf16 where native, top-n, recorded states, batch_tokens,
    max_new_tokens), greedy, one shard, on `--prompts` embedded training prompts, one of each kind in turn (the
    demo's mix of kinds, less its self-written prompts). Variants, alternated (rep 0 in order, rep 1 reversed):
-   `one-forward` (grouped_prefill=false, batch_size 64: the data stage before this bench), `grouped`
-   (grouped_prefill=true, batch_size 64, as specdec data now runs) and `grouped-128` (grouped_prefill=true,
-   batch_size 128). Each run's
-   completions are compared with `one-forward`'s of the same rep; where a row differs, the target's gap between
-   its two most likely tokens at the first differing position (from `one-forward`'s top-n) says whether the two
-   roundings met a near-tie.
-2. Exactness: the same comparison in float32 on `--exact-prompts` prompts (shorter answers), `grouped` against
-   `one-forward`, where rounding leaves no near-tie to flip: completions must be identical and the top-n log-probs
-   equal to float32 rounding.
+   `one-forward` (grouped_prefill=false, drop_finished_rows=false, batch_size 64: the data stage before either),
+   `grouped` (grouped_prefill=true), `grouped-drop` (grouped_prefill=true, drop_finished_rows=true: as specdec data
+   now runs) and `grouped-128` (grouped_prefill=true, batch_size 128). Each run's completions are compared with
+   `one-forward`'s of the same rep; where a row differs, the target's gap between its two most likely tokens at the
+   first differing position (from `one-forward`'s top-n) says whether the two roundings met a near-tie. Every pair
+   of the other variants is compared too (median of the same-rep ratios).
+2. Exactness: the same comparison in float32 on `--exact-prompts` prompts (shorter answers), `--exact-variant`
+   against `one-forward`, where rounding leaves no near-tie to flip: completions must be identical and the top-n
+   log-probs equal to float32 rounding.
 
 Writes docs/results/<date>-data-prefill.md.
 """
@@ -39,9 +41,10 @@ from specdec.train.data import DataConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "smollm2-135m-eagle3.yaml"
-VARIANTS = {"one-forward": {"grouped_prefill": False, "batch_size": 64},
-            "grouped": {"grouped_prefill": True, "batch_size": 64},
-            "grouped-128": {"grouped_prefill": True, "batch_size": 128}}
+VARIANTS = {"one-forward": {"grouped_prefill": False, "drop_finished_rows": False, "batch_size": 64},
+            "grouped": {"grouped_prefill": True, "drop_finished_rows": False, "batch_size": 64},
+            "grouped-drop": {"grouped_prefill": True, "drop_finished_rows": True, "batch_size": 64},
+            "grouped-128": {"grouped_prefill": True, "drop_finished_rows": False, "batch_size": 128}}
 
 
 def parse_args() -> argparse.Namespace:
@@ -50,6 +53,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=256, help="embedded training prompts, one of each kind in turn")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each variant, alternated")
     parser.add_argument("--exact-prompts", type=int, default=48, help="float32 prompts for the exactness check")
+    parser.add_argument("--exact-variant", default="grouped-drop", choices=list(VARIANTS)[1:],
+                        help="the variant checked against one-forward in float32")
     parser.add_argument("--dtype", default=None, help="the target's dtype for the timed runs [the recipe's]")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
                         help="one-forward always runs (the baseline)")
@@ -75,6 +80,14 @@ def divergences(run: dict, base: dict) -> tuple[int, list[float]]:
         top = base["top"][key][1][at]
         gaps.append(top[0] - top[1])
     return same, gaps
+
+
+def pairs(ratios: dict[str, list[float]]) -> list[str]:
+    """Each later variant against each earlier one but the baseline: the median of their same-rep ratios."""
+    names = [k for k in ratios if k != "one-forward"]
+    return ["", *(f"Median tokens/s of `{b}` against `{a}` of the same rep: **"
+                  f"{statistics.median(rb / ra for ra, rb in zip(ratios[a], ratios[b])):.2f}x**"
+                  for i, a in enumerate(names) for b in names[i + 1:])] if len(names) > 1 else []
 
 
 def main() -> None:
@@ -110,7 +123,7 @@ def main() -> None:
                          f"{speed:.2f}x | {same}/{len(base['completions'])} | {gap} |")
     exact = DataConfig(**{**data.__dict__, "dtype": "float32", "max_new_tokens": 32})
     exact_records = pick_prompts(args.exact_prompts)
-    one, grouped = (timed(exact, exact_records, VARIANTS[name]) for name in ("one-forward", "grouped"))
+    one, grouped = (timed(exact, exact_records, VARIANTS[name]) for name in ("one-forward", args.exact_variant))
     same, _ = divergences(grouped, one)
     top_diff = max(abs(a - b) for key in one["top"] for ra, rb in zip(one["top"][key][1], grouped["top"][key][1])
                    for a, b in zip(ra, rb))
@@ -122,12 +135,13 @@ def main() -> None:
             + "; ".join(f"`{k}` {VARIANTS[k]}" for k in variants), "", *lines, "",
             "Median tokens/s against `one-forward` of the same rep: "
             + ", ".join(f"`{k}` **{statistics.median(v):.2f}x**" for k, v in ratios.items() if k != "one-forward"),
-            "", f"Exactness, float32, {len(exact_records)} prompts x up to 32 new tokens, `grouped` against "
-            f"`one-forward`: {same}/{len(one['completions'])} completions identical, top-n log-probs within "
+            *pairs(ratios),
+            "", f"Exactness, float32, {len(exact_records)} prompts x up to 32 new tokens, `{args.exact_variant}` "
+            f"against `one-forward`: {same}/{len(one['completions'])} completions identical, top-n log-probs within "
             f"{top_diff:.1e}; {one['tokens'] / one['seconds']:.1f} against {grouped['tokens'] / grouped['seconds']:.1f}"
-            " tokens/s (one-forward, grouped).", ""]
+            f" tokens/s (one-forward, {args.exact_variant}).", ""]
     print("\n".join(body))
-    print(f"wrote {write(args.name, 'specdec data: the prefill in groups', chr(10).join(body))}")
+    print(f"wrote {write(args.name, 'specdec data: the batch handling', chr(10).join(body))}")
 
 
 if __name__ == "__main__":

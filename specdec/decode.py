@@ -27,7 +27,18 @@ from transformers import PreTrainedModel
 
 from specdec.draft_registry import make_drafter
 from specdec.fast_linear import fast_linears
-from specdec.kv import Batch, cache_kwarg, forward_cached, forward_masked, keep_path, prefill, rollback
+from specdec.kv import (
+    Batch,
+    by_row,
+    cache_kwarg,
+    can_keep_rows,
+    forward_cached,
+    forward_masked,
+    keep_path,
+    keep_rows,
+    prefill,
+    rollback,
+)
 from specdec.outputs import DecodeStats, GenerateOutput, RoundTrace, TreeTrace
 from specdec.proposal import Proposal
 from specdec.sampling import SamplingConfig, next_token, probabilities
@@ -37,6 +48,9 @@ from specdec.verify import greedy_verify, rejection_verify
 
 log = logging.getLogger(__name__)
 GREEDY = SamplingConfig()  # frozen, so safe as a shared default
+# target_generate(drop_finished=True) narrows its batch once this share of the running rows has finished: the copy
+# of the kept rows' cache costs about what a step over the dropped rows would, so dropping in bunches pays at once.
+DROP_SHARE = 1 / 8
 
 
 @dataclass(frozen=True)
@@ -133,18 +147,21 @@ class _TopN:
     """Collects the top-n log-probs of each step's logits (the decoding logits: no second forward)."""
 
     def __init__(self, n: int):
-        self.n, self.ids, self.logprobs = n, [], []
+        self.n, self.ids, self.logprobs, self.rows = n, [], [], []
 
-    def __call__(self, logits: torch.Tensor) -> None:
+    def __call__(self, logits: torch.Tensor, rows: torch.Tensor) -> None:
+        """`rows`: the batch's rows the logits are for (`Batch.rows`)."""
         if self.n:
             top = torch.topk(torch.log_softmax(logits.float(), dim=-1), min(self.n, logits.shape[-1]), dim=-1)
             self.ids.append(top.indices)
             self.logprobs.append(top.values)
+            self.rows.append(rows)
 
-    def stacked(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def stacked(self, batch: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """[batch, steps, n] each; zeros at the steps after a dropped row's EOS."""
         if not self.ids:
             return None, None
-        return torch.stack(self.ids, dim=1), torch.stack(self.logprobs, dim=1)
+        return by_row(self.ids, self.rows, batch), by_row(self.logprobs, self.rows, batch)
 
 
 @dataclass
@@ -161,6 +178,7 @@ class _Decoding:
     kwarg: str = ""
     cache: object = None  # the target's KV cache, after `prefill`
     first_tokens: torch.Tensor | None = None  # live tokens before the first round (tau counts rounds' tokens)
+    step_rows: list = field(default_factory=list)  # the rows each target step ran, when it drops finished rows
     rounds: list = field(default_factory=list)  # RoundTrace / TreeTrace, when options.trace
 
     @classmethod
@@ -177,18 +195,25 @@ class _Decoding:
         self.cache, logits = prefill(self.target, self.batch, self.kwarg, groups)
         self.stats.target_forwards += 1
         if top_n is not None:
-            top_n(logits)
+            top_n(logits, self.batch.rows)
         self.clock.mark(self.batch.append(next_token(logits, self.options.sampling, self.generator)[:, None]))
         self.first_tokens = self.batch.live_appended.clone()
 
-    def target_steps(self, top_n: _TopN | None = None) -> None:
-        """Target-only decoding from the current state until done: the baseline, and the fallback."""
+    def target_steps(self, top_n: _TopN | None = None, drop_finished: bool = False) -> None:
+        """Target-only decoding from the current state until done: the baseline, and the fallback. With
+        `drop_finished`, finished rows leave the batch in bunches (DROP_SHARE) and `step_rows` says which rows
+        each step ran."""
         batch = self.batch
+        drop_finished = drop_finished and can_keep_rows(self.cache)
         while not batch.done():
+            if drop_finished and int(batch.finished.sum()) >= max(1, DROP_SHARE * len(batch.rows)):
+                keep_rows(self.cache, batch.drop_finished())
             logits = forward_cached(self.target, self.cache, batch, batch.length, 1, self.kwarg)[:, -1]  # [B, V]
             self.stats.target_forwards += 1
+            if drop_finished:
+                self.step_rows.append(batch.rows)
             if top_n is not None:
-                top_n(logits)
+                top_n(logits, batch.rows)
             self.clock.mark(batch.append(next_token(logits, self.options.sampling, self.generator)[:, None]))
 
     def keep(self, appended: int, trace) -> None:
@@ -231,6 +256,7 @@ def target_generate(
     generator: torch.Generator | None = None,
     top_logprobs: int = 0,
     prefill_groups: list[list[int]] | None = None,
+    drop_finished: bool = False,
     **options,
 ) -> GenerateOutput:
     """Target-only decoding with a KV cache: the baseline that speculative decoding must match.
@@ -239,7 +265,10 @@ def target_generate(
     distillation teacher signal), taken from the decoding logits themselves. `prefill_groups` (the data stage's,
     specdec.kv.prefill_groups): the prefill as one forward per group of rows, less padding computed; its rounding
     may differ from the one forward's, so the baseline that speculative decoding is checked against leaves it
-    None. `options`: the rest of `DecodeOptions` (pad_token_id, timing).
+    None. `drop_finished` (the data stage's): finished rows leave the running batch, so later steps compute only
+    the rows still generating; the output is every row's as without, `step_rows` says which rows each step ran
+    (what a recorder of the steps' states needs), and the rounding may differ as with `prefill_groups`.
+    `options`: the rest of `DecodeOptions` (pad_token_id, timing).
     """
     settings = DecodeOptions(sampling, max_new_tokens, eos_token_id, **options)
     _check_inputs(target, input_ids, attention_mask, max_new_tokens)
@@ -248,10 +277,10 @@ def target_generate(
     state = _Decoding.new(target, input_ids, attention_mask, settings, generator, 0, DecodeStats())
     top_n = _TopN(top_logprobs)
     state.prefill(top_n, prefill_groups)
-    state.target_steps(top_n)
-    top_ids, top_lp = top_n.stacked()
+    state.target_steps(top_n, drop_finished)
+    top_ids, top_lp = top_n.stacked(input_ids.shape[0])
     return GenerateOutput(state.batch.sequences(), state.stats, state.batch.prompt_length, timings=state.clock.marks,
-                          top_ids=top_ids, top_logprobs=top_lp)
+                          top_ids=top_ids, top_logprobs=top_lp, step_rows=state.step_rows or None)
 
 
 @torch.inference_mode()

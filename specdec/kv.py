@@ -15,7 +15,8 @@ from transformers.cache_utils import DynamicLayer
 
 
 class Batch:
-    """The running sequences: a preallocated token buffer, left-padding offsets and finished rows."""
+    """The running sequences: a preallocated token buffer, left-padding offsets and finished rows. `rows` are the
+    running rows' places in the batch as given: all of them, unless `drop_finished` took finished rows out."""
 
     def __init__(self, input_ids, attention_mask, max_new_tokens, lookahead, eos_token_id, pad_token_id):
         batch, prompt_len = input_ids.shape
@@ -39,6 +40,8 @@ class Batch:
         self.finished = torch.zeros(batch, dtype=torch.bool, device=device)
         self.live_appended = torch.zeros((), dtype=torch.long, device=device)
         self.ends = torch.full((batch,), capacity, dtype=torch.long, device=device)  # length at each row's EOS
+        self.rows = torch.arange(batch, device=device)
+        self._whole: tuple[torch.Tensor, torch.Tensor] | None = None  # every row's (seq, ends), once rows are dropped
 
     def model_inputs(self, start: int, stop: int) -> dict:
         """Positions and attention mask for feeding seq[:, start:stop] after a cache of length `start`."""
@@ -68,11 +71,33 @@ class Batch:
         return m
 
     def sequences(self) -> torch.Tensor:
-        """The generated batch, cut after the last row's EOS (a round may have appended past it).  [B, S]"""
+        """The generated batch, every row as given, cut after the last row's EOS (a round may have appended past
+        it).  [B, S]"""
+        seq, ends = self._every_row()
         width = self.length
-        if self.eos.numel() and bool(self.finished.all()):
-            width = min(width, int(self.ends.max()))
-        return self.seq[:, :width]
+        if self.eos.numel() and bool(self.finished.all()):  # a dropped row had finished
+            width = min(width, int(ends.max()))
+        return seq[:, :width]
+
+    def drop_finished(self) -> torch.Tensor:
+        """Take the finished rows out of the running batch: their tokens are final (kept for `sequences`), and a
+        step no longer computes them. Returns the kept rows' places in the running batch as it was, for the caller
+        to narrow its caches alike (`keep_rows`)."""
+        keep = (~self.finished).nonzero().squeeze(1)
+        self._whole = self._every_row()
+        self.rows, self.seq, self.left_pad = self.rows[keep], self.seq[keep], self.left_pad[keep]
+        self.finished, self.ends = self.finished[keep], self.ends[keep]
+        if self.mask is not None:
+            self.mask = self.mask[keep]
+        return keep
+
+    def _every_row(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(seq, ends) of every row as given: the running rows written back over what the dropped ones left."""
+        if self._whole is None:
+            return self.seq, self.ends
+        seq, ends = self._whole
+        seq[self.rows], ends[self.rows] = self.seq, self.ends
+        return seq, ends
 
     def done(self) -> bool:
         return self.length >= self.max_length or (self.eos.numel() > 0 and bool(self.finished.all()))
@@ -133,6 +158,18 @@ class PreallocatedLayer(DynamicLayer):
         self._value_buffer[:, :, start:stop] = value_states
         self.keys, self.values = self._key_buffer[:, :, :stop], self._value_buffer[:, :, :stop]
         return self.keys, self.values
+
+    def keep_rows(self, keep: torch.Tensor) -> None:
+        """Keep only the rows `keep` (a batch that dropped its finished rows): new buffers of the same capacity,
+        the cached positions copied."""
+        if self._key_buffer is None:
+            return
+        stop = self.get_seq_length()
+        keys = self._key_buffer.new_empty((len(keep), *self._key_buffer.shape[1:]))
+        values = self._value_buffer.new_empty((len(keep), *self._value_buffer.shape[1:]))
+        keys[:, :, :stop], values[:, :, :stop] = self.keys[keep], self.values[keep]
+        self._key_buffer, self._value_buffer = keys, values
+        self.keys, self.values = keys[:, :, :stop], values[:, :, :stop]
 
     def place(self, rows: torch.Tensor, start: int, keys: torch.Tensor, values: torch.Tensor, batch: int) -> None:
         """Write a group's prefill entries [len(rows), H, n, D] at positions start..start + n of those rows (a grouped
@@ -215,6 +252,30 @@ def prefill_groups(lengths: list[int], slack: float = 1.1, alone: int = 512) -> 
         else:
             groups.append([row])
     return groups
+
+
+def can_keep_rows(cache: DynamicCache) -> bool:
+    """Whether `keep_rows` can narrow this cache: every layer preallocated (full attention)."""
+    return all(isinstance(layer, PreallocatedLayer) for layer in cache.layers)
+
+
+def keep_rows(cache: DynamicCache, keep: torch.Tensor) -> None:
+    """Narrow every layer to the rows `keep` (`Batch.drop_finished`'s answer)."""
+    for layer in cache.layers:
+        layer.keep_rows(keep)
+
+
+def by_row(steps: list[torch.Tensor], rows: list[torch.Tensor], batch: int) -> torch.Tensor:
+    """Per-step tensors [len(rows[j]), ...] of a decoding that dropped finished rows as it went (`rows[j]`: the
+    rows step j ran, one tensor shared by the steps between two drops) as one [batch, steps, ...], zeros where a
+    row no longer ran (past its EOS)."""
+    out = steps[0].new_zeros((batch, len(steps), *steps[0].shape[1:]))
+    start = 0
+    for stop in range(1, len(steps) + 1):
+        if stop == len(steps) or rows[stop] is not rows[start]:
+            out[rows[start], start:stop] = torch.stack(steps[start:stop], dim=1)
+            start = stop
+    return out
 
 
 def keep_path(cache: DynamicCache, start: int, slots: list[int]) -> None:

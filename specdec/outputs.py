@@ -167,3 +167,6 @@ class GenerateOutput:
     # temperature 1, no warping) at each generated position, [B, new, n]; None otherwise.
     top_ids: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
+    # target_generate(drop_finished=True): the rows (places in the batch) each decoding step after the prefill ran;
+    # None when every step ran every row.
+    step_rows: list[torch.Tensor] | None = None

@@ -70,5 +70,7 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None) -
 def next_token(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None = None) -> torch.Tensor:
     """Greedy argmax or a sample from the warped distribution.  [..., V] -> [...]"""
     if sampling.greedy:
-        return logits.argmax(dim=-1)
+        # In float32: the conversion is exact (the same first maximum), and torch's CPU argmax over bf16 logits is
+        # slower than converting them and taking it there (docs/results/2026-12-06-greedy-pick.md).
+        return logits.float().argmax(dim=-1)
     return sample_from(probabilities(logits, sampling), generator)

@@ -225,6 +225,50 @@ def test_a_grouped_prefill_keeps_the_rows_and_their_states(tiny_target, tmp_path
         torch.testing.assert_close(f.float(), f_one.float())
 
 
+def test_dropping_finished_rows_keeps_the_rows_and_their_states(tmp_path, monkeypatch):
+    """drop_finished_rows (on by default): a row whose answer ended leaves the decoding batch; the same rows, top-n
+    log-probs and recorded states as a batch that runs every row to its longest answer (float64)."""
+    import specdec.decode as decode
+    target = tiny_llama(seed=0)
+    target.generation_config.eos_token_id = list(range(3, 40))  # answers that end at many different lengths
+    tiny_target = tmp_path / "target"
+    target.save_pretrained(tiny_target)
+    tiny_tokenizer().save_pretrained(tiny_target)
+    drops = []
+    real = decode.keep_rows
+    monkeypatch.setattr(decode, "keep_rows", lambda cache, keep: drops.append(len(keep)) or real(cache, keep))
+    prompts = _write_prompts(tmp_path / "p.jsonl", n=9, multi_turn=False, seed=3)
+    runs = {}
+    for drop in (True, False):
+        out = tmp_path / f"out-{drop}"
+        run(_cfg(tiny_target, prompts, out, batch_size=9, shard_size=9, top_logprobs=3, record_features=True,
+                 eagle_aux_layer_ids=[1], drop_finished_rows=drop, max_new_tokens=24))
+        runs[drop] = (_rows(out), [f for _, feats in gen.recorded_features(out) for f in feats])
+    assert drops  # the dropping run narrowed its batch at least once
+    (rows, feats), (rows_all, feats_all) = runs[True], runs[False]
+    assert [r["input_ids"] for r in rows] == [r["input_ids"] for r in rows_all]
+    assert len({len(r["input_ids"]) - r["prompt_length"] for r in rows}) > 1  # answers of different lengths
+    for r, r_all in zip(rows, rows_all):
+        assert r["top_ids"] == r_all["top_ids"]
+        torch.testing.assert_close(torch.tensor(r["top_logprobs"]), torch.tensor(r_all["top_logprobs"]))
+    for f, f_all in zip(feats, feats_all):
+        torch.testing.assert_close(f.float(), f_all.float())
+
+
+def test_decoded_features_read_steps_that_ran_fewer_rows():
+    """With step_rows (a decoding that dropped finished rows), a row's step states come from the steps it ran."""
+    from types import SimpleNamespace
+
+    from specdec.train.data.target_states import decoded_features
+    prompts = [[5], [6], [7]]
+    prefill = torch.tensor([[1.0], [2.0], [3.0]])[:, :, None]
+    steps = [torch.tensor([10.0, 20.0, 30.0])[:, None, None], torch.tensor([11.0, 31.0])[:, None, None]]
+    recorder = SimpleNamespace(history=[prefill, *steps])
+    rows = decoded_features(recorder, prompts, width=1, lengths=[3, 2, 3],
+                            step_rows=[torch.arange(3), torch.tensor([0, 2])])
+    assert [r[:, 0].tolist() for r in rows] == [[1.0, 10.0, 11.0], [2.0, 20.0], [3.0, 30.0, 31.0]]
+
+
 def test_decoded_features_read_a_grouped_prefill_with_and_without_decoding_steps():
     """Each row's states come from its own group's forward (right-aligned there) and then from the steps; a batch
     whose rows all ended at the prefill's token (no step ran) reads its prompts' states alone."""

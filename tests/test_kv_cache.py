@@ -64,6 +64,42 @@ def test_prefill_groups_pad_little_and_leave_long_prompts_alone():
     assert kv.prefill_groups([7, 7, 7]) == [[0, 1, 2]]
 
 
+def test_dropping_finished_rows_decodes_as_running_every_row(monkeypatch):
+    """drop_finished=True (the data stage's): rows that ended leave the batch and its cache, and every row's tokens
+    and top-n log-probs up to its EOS are those of the batch that ran every row to the end; step_rows names the
+    rows each step ran, narrowing as rows end."""
+    target = tiny_llama(seed=0)
+    ids, mask = ragged_prompts(10, 128, seed=5, min_len=2, max_len=12)
+    eos = list(range(3, 40))  # common enough that the rows end at many different steps
+    drops = []
+    monkeypatch.setattr("specdec.decode.keep_rows", lambda cache, keep: drops.append(len(keep)) or kv.keep_rows(cache, keep))
+    every = target_generate(target, ids, mask, max_new_tokens=24, eos_token_id=eos, pad_token_id=0, top_logprobs=4)
+    dropped = target_generate(target, ids, mask, max_new_tokens=24, eos_token_id=eos, pad_token_id=0, top_logprobs=4,
+                              drop_finished=True)
+    assert every.step_rows is None and len(drops) >= 2 and drops == sorted(drops, reverse=True)
+    assert [len(r) for r in dropped.step_rows][-1] < ids.shape[0]
+    assert all(set(later.tolist()) <= set(earlier.tolist())
+               for earlier, later in zip(dropped.step_rows, dropped.step_rows[1:]))
+    assert torch.equal(every.sequences, dropped.sequences)
+    width = ids.shape[1]
+    for row, tokens in enumerate(every.sequences[:, width:].tolist()):
+        n = next((j + 1 for j, t in enumerate(tokens) if t in eos), len(tokens))
+        assert torch.equal(every.top_ids[row, :n], dropped.top_ids[row, :n])
+        torch.testing.assert_close(every.top_logprobs[row, :n], dropped.top_logprobs[row, :n])
+        ran = [j for j, rows in enumerate(dropped.step_rows) if row in rows.tolist()]
+        assert ran[: n - 1] == list(range(n - 1))  # a row runs every step until its EOS
+
+
+def test_by_row_puts_each_steps_rows_in_their_places():
+    """by_row: steps that ran fewer rows as the decoding went, as one [batch, steps, ...] with zeros after a row
+    left."""
+    all_rows, kept = torch.arange(3), torch.tensor([0, 2])
+    steps = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([4.0, 5.0, 6.0]), torch.tensor([7.0, 8.0]),
+             torch.tensor([9.0, 10.0])]
+    out = kv.by_row(steps, [all_rows, all_rows, kept, kept], batch=3)
+    assert out.tolist() == [[1.0, 4.0, 7.0, 9.0], [2.0, 5.0, 0.0, 0.0], [3.0, 6.0, 8.0, 10.0]]
+
+
 def test_a_grouped_prefill_decodes_as_one_forward_does():
     """The prefill as one forward per group (each padded to its own longest prompt, written right-aligned into the
     batch's cache) gives, in float32, the tokens, top-n log-probs and cache entries of one forward over the batch."""

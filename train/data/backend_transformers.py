@@ -48,11 +48,12 @@ class TransformersBackend(GenerationBackend):
             out = target_generate(self.model, ids, mask, sampling=sampling or self.sampling,
                                   max_new_tokens=self.cfg.max_new_tokens, eos_token_id=self.eos or None,
                                   generator=generator, pad_token_id=self.pad, top_logprobs=self.cfg.top_logprobs,
-                                  prefill_groups=groups)
+                                  prefill_groups=groups, drop_finished=self.cfg.drop_finished_rows)
         new = out.sequences[:, width:].tolist()
         completions = [Completion(cut_at_eos(row, self.eos)) for row in new]
         if recorder is not None:
-            states = decoded_features(recorder, prompts, width, [len(c.tokens) for c in completions], groups)
+            states = decoded_features(recorder, prompts, width, [len(c.tokens) for c in completions], groups,
+                                      out.step_rows)
             for comp, features in zip(completions, states):
                 comp.features = features
         if self.cfg.top_logprobs:

@@ -16,8 +16,8 @@ RESPONSES = ("target", "dataset")
 VLLM_STATES = ("auto", "extract", "prefill")
 VLLM_DTYPES = ("float32", "bfloat16", "float16")  # vLLM has no float64
 # Settings that do not change what is generated; a resumed run may change them.
-_RESUMABLE_KEYS = ("batch_size", "batch_tokens", "grouped_prefill", "device", "output_dir", "overwrite",
-                   "max_minutes", "vllm_python", "vllm_states")
+_RESUMABLE_KEYS = ("batch_size", "batch_tokens", "grouped_prefill", "drop_finished_rows", "device", "output_dir",
+                   "overwrite", "max_minutes", "vllm_python", "vllm_states")
 # Settings added later, left out of the fingerprint at their defaults: folders made before they existed still resume.
 _LATER_DEFAULTS = {"responses": "target", "chat_template_kwargs": None, "temperatures": None, "top_ps": None,
                    "sampling_mix": "cycle", "tensor_parallel_size": 1, "pipeline_parallel_size": 1}
@@ -66,6 +66,9 @@ class DataConfig:
     # alone), each padded only to its own longest, then decoded together (specdec.kv.prefill_groups); false = one
     # forward padded to the batch's longest prompt
     grouped_prefill: bool = True
+    # backend=transformers: a row whose answer ended leaves the decoding batch (in bunches), so later steps compute
+    # only the rows still writing; false = every row runs until the batch's longest answer ends
+    drop_finished_rows: bool = True
     # Deal the work list to shards in a seeded random order (the longest item first), so that any run of
     # finished shards is a uniform sample of the prompt set: a run stopped by max_minutes keeps every source and
     # length in proportion. false = the prompt files' order.

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from specdec.eagle3 import RECORDED_STATES_DTYPE, HiddenStateRecorder, target_states
+from specdec.kv import by_row
 
 
 def recording_while_decoding(model, layer_ids: list[int], record: bool):
@@ -21,17 +22,24 @@ def recording_while_decoding(model, layer_ids: list[int], record: bool):
 
 
 def decoded_features(recorder, prompts: list[list[int]], width: int, lengths: list[int],
-                     groups: list[list[int]] | None = None) -> list[torch.Tensor]:
+                     groups: list[list[int]] | None = None,
+                     step_rows: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Each row's states from a recorded left-padded decoding of `prompts` (padded to `width`), over its prompt and
     all but the last of its `lengths[row]` completion tokens; `groups`: the rows of each prefill forward, in order
-    (a grouped prefill), None for one prefill forward over the batch."""
+    (a grouped prefill), None for one prefill forward over the batch; `step_rows`: the rows each decoding step ran
+    (a decoding that dropped finished rows), None for all of them."""
     # history: the prefill's forwards ([B, width, W], or one [rows, its width, W] per group), then one [B, 1, W]
-    # per step (the step feeding completion token j).
+    # per step (the step feeding completion token j), [len(step_rows[j]), 1, W] when rows were dropped.
     if not groups or recorder.history[0].shape[0] == len(prompts):  # one forward: no groups asked for, or a model
         groups = [list(range(len(prompts)))]                          # that kv.prefill prefills whole
     prefill_of = {row: (forward, place) for forward, group in enumerate(groups) for place, row in enumerate(group)}
     steps = recorder.history[len(groups):]
-    steps = torch.cat(steps, 1) if steps else None  # None: one new token a row, from the prefill alone
+    if not steps:
+        steps = None  # one new token a row, from the prefill alone
+    elif step_rows is None:
+        steps = torch.cat(steps, 1)
+    else:  # a row runs every step until its EOS, so its first n - 1 steps are all there
+        steps = by_row([h[:, 0] for h in steps], step_rows, len(prompts))
     out = []
     for row, (p, n) in enumerate(zip(prompts, lengths)):
         forward, place = prefill_of[row]
