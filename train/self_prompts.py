@@ -104,7 +104,7 @@ def generate(cfg, n: int, out_dir: Path, device=None) -> Path:
     while len(rows) < n:
         generator = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + batch)
         out = target_generate(model, ids, sampling=sampling, max_new_tokens=cfg.self_prompt_max_tokens,
-                              eos_token_id=eos, generator=generator)
+                              eos_token_id=eos, generator=generator, drop_finished=True)
         for row_index, row in enumerate(out.sequences[:, len(prefix):].tolist()):
             tried += 1
             ended = [i for i, t in enumerate(row) if t in eos]
