@@ -123,9 +123,9 @@ def main() -> None:
                          f"{speed:.2f}x | {same}/{len(base['completions'])} | {gap} |")
     exact = DataConfig(**{**data.__dict__, "dtype": "float32", "max_new_tokens": 32})
     exact_records = pick_prompts(args.exact_prompts)
-    one, grouped = (timed(exact, exact_records, VARIANTS[name]) for name in ("one-forward", args.exact_variant))
-    same, _ = divergences(grouped, one)
-    top_diff = max(abs(a - b) for key in one["top"] for ra, rb in zip(one["top"][key][1], grouped["top"][key][1])
+    one, checked = (timed(exact, exact_records, VARIANTS[name]) for name in ("one-forward", args.exact_variant))
+    same, _ = divergences(checked, one)
+    top_diff = max(abs(a - b) for key in one["top"] for ra, rb in zip(one["top"][key][1], checked["top"][key][1])
                    for a, b in zip(ra, rb))
     body = [f"- data settings: {Path(args.recipe).name}'s data section, greedy: batch_tokens {data.batch_tokens}, "
             f"max_new_tokens {data.max_new_tokens}, top_logprobs {data.top_logprobs}, record_features "
@@ -138,7 +138,7 @@ def main() -> None:
             *pairs(ratios),
             "", f"Exactness, float32, {len(exact_records)} prompts x up to 32 new tokens, `{args.exact_variant}` "
             f"against `one-forward`: {same}/{len(one['completions'])} completions identical, top-n log-probs within "
-            f"{top_diff:.1e}; {one['tokens'] / one['seconds']:.1f} against {grouped['tokens'] / grouped['seconds']:.1f}"
+            f"{top_diff:.1e}; {one['tokens'] / one['seconds']:.1f} against {checked['tokens'] / checked['seconds']:.1f}"
             f" tokens/s (one-forward, {args.exact_variant}).", ""]
     print("\n".join(body))
     print(f"wrote {write(args.name, 'specdec data: the batch handling', chr(10).join(body))}")

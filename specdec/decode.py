@@ -178,7 +178,7 @@ class _Decoding:
     kwarg: str = ""
     cache: object = None  # the target's KV cache, after `prefill`
     first_tokens: torch.Tensor | None = None  # live tokens before the first round (tau counts rounds' tokens)
-    step_rows: list = field(default_factory=list)  # the rows each target step ran, when it drops finished rows
+    step_rows: list[torch.Tensor] = field(default_factory=list)  # the rows each step ran, when it drops finished ones
     rounds: list = field(default_factory=list)  # RoundTrace / TreeTrace, when options.trace
 
     @classmethod

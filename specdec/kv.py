@@ -3,6 +3,8 @@
 Every KV cache is a prefix of the one token buffer `Batch.seq`; `rollback` is the only place that discards KV
 entries (rejected proposals), for the target and every kind of draft alike. A tree round (specdec/tree.py) caches
 the whole tree, then `keep_path` moves the accepted path's entries next to the prefix and rolls back the rest.
+The target-only decoding of the data stage may also drop whole finished rows (`Batch.drop_finished`, `keep_rows`):
+rows, never positions, and only where no draft shares the buffer.
 """
 
 from __future__ import annotations
