@@ -147,21 +147,19 @@ class _TopN:
     """Collects the top-n log-probs of each step's logits (the decoding logits: no second forward)."""
 
     def __init__(self, n: int):
-        self.n, self.ids, self.logprobs, self.rows = n, [], [], []
+        self.n, self.ids, self.logprobs = n, [], []
 
-    def __call__(self, logits: torch.Tensor, rows: torch.Tensor) -> None:
-        """`rows`: the batch's rows the logits are for (`Batch.rows`)."""
+    def __call__(self, logits: torch.Tensor) -> None:
         if self.n:
             top = torch.topk(torch.log_softmax(logits.float(), dim=-1), min(self.n, logits.shape[-1]), dim=-1)
             self.ids.append(top.indices)
             self.logprobs.append(top.values)
-            self.rows.append(rows)
 
-    def stacked(self, batch: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """[batch, steps, n] each; zeros at the steps after a dropped row's EOS."""
+    def stacked(self, rows: list[torch.Tensor], batch: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """[batch, steps, n] each, `rows[j]` the rows of call j (`by_row`); zeros after a dropped row's EOS."""
         if not self.ids:
             return None, None
-        return by_row(self.ids, self.rows, batch), by_row(self.logprobs, self.rows, batch)
+        return by_row(self.ids, rows, batch), by_row(self.logprobs, rows, batch)
 
 
 @dataclass
@@ -178,7 +176,7 @@ class _Decoding:
     kwarg: str = ""
     cache: object = None  # the target's KV cache, after `prefill`
     first_tokens: torch.Tensor | None = None  # live tokens before the first round (tau counts rounds' tokens)
-    step_rows: list[torch.Tensor] = field(default_factory=list)  # the rows each step ran, when it drops finished ones
+    step_rows: list[torch.Tensor] = field(default_factory=list)  # the rows each `target_steps` step ran
     rounds: list = field(default_factory=list)  # RoundTrace / TreeTrace, when options.trace
 
     @classmethod
@@ -195,14 +193,14 @@ class _Decoding:
         self.cache, logits = prefill(self.target, self.batch, self.kwarg, groups)
         self.stats.target_forwards += 1
         if top_n is not None:
-            top_n(logits, self.batch.rows)
+            top_n(logits)
         self.clock.mark(self.batch.append(next_token(logits, self.options.sampling, self.generator)[:, None]))
         self.first_tokens = self.batch.live_appended.clone()
 
     def target_steps(self, top_n: _TopN | None = None, drop_finished: bool = False) -> None:
         """Target-only decoding from the current state until done: the baseline, and the fallback. With
-        `drop_finished`, finished rows leave the batch in bunches (DROP_SHARE) and `step_rows` says which rows
-        each step ran."""
+        `drop_finished`, finished rows leave the batch in bunches (DROP_SHARE); `step_rows` says which rows each
+        step ran."""
         batch = self.batch
         drop_finished = drop_finished and can_keep_rows(self.cache)
         while not batch.done():
@@ -210,10 +208,9 @@ class _Decoding:
                 keep_rows(self.cache, batch.drop_finished())
             logits = forward_cached(self.target, self.cache, batch, batch.length, 1, self.kwarg)[:, -1]  # [B, V]
             self.stats.target_forwards += 1
-            if drop_finished:
-                self.step_rows.append(batch.rows)
+            self.step_rows.append(batch.rows)
             if top_n is not None:
-                top_n(logits, batch.rows)
+                top_n(logits)
             self.clock.mark(batch.append(next_token(logits, self.options.sampling, self.generator)[:, None]))
 
     def keep(self, appended: int, trace) -> None:
@@ -277,10 +274,12 @@ def target_generate(
     state = _Decoding.new(target, input_ids, attention_mask, settings, generator, 0, DecodeStats())
     top_n = _TopN(top_logprobs)
     state.prefill(top_n, prefill_groups)
+    every_row = state.batch.rows
     state.target_steps(top_n, drop_finished)
-    top_ids, top_lp = top_n.stacked(input_ids.shape[0])
+    top_ids, top_lp = top_n.stacked([every_row, *state.step_rows], input_ids.shape[0])
     return GenerateOutput(state.batch.sequences(), state.stats, state.batch.prompt_length, timings=state.clock.marks,
-                          top_ids=top_ids, top_logprobs=top_lp, step_rows=state.step_rows or None)
+                          top_ids=top_ids, top_logprobs=top_lp,
+                          step_rows=state.step_rows if drop_finished and state.step_rows else None)
 
 
 @torch.inference_mode()

@@ -150,6 +150,9 @@ CASES = [
     ("negative heap release period", lambda c, b, o: [
         "train", "--target", c["target"], f"output_dir={o}", "release_host_memory_every=-1"], 2,
      "release_host_memory_every must be >= 0"),
+    ("dropping finished rows, not a boolean", lambda c, b, o: [
+        "data", f"target={c['target']}", f"prompts={c['prompts']}", f"output_dir={o}", "drop_finished_rows=maybe"], 2,
+     "drop_finished_rows: expected true or false, got 'maybe'"),
     ("demo passes zero", lambda c, b, o: ["demo", "--plan", "train_passes=0"], 2, "train_passes > 0"),
     ("demo probe of one step", lambda c, b, o: ["demo", "--plan", "probe_steps=1"], 2,
      "probe_steps >= 2 (the first step is not timed)"),
