@@ -45,6 +45,7 @@ VARIANTS = {
     "rkl": ["loss=rkl"],
     "ce": ["loss=ce"],
     "fkl_ce": ["ce_weight=1.0"],
+    "t05": ["temperature=0.5"],  # the target's and the draft's logits sharpened alike: the loss weighs the top tokens
     "online": ["teacher=online"],
     "offline": ["teacher=offline"],
     "on_policy": ["teacher=on_policy", "on_policy_fraction=0.5"],

@@ -2,4 +2,5 @@ import sys
 
 from specdec.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # guarded: the demo's evaluation stage starts a spawned process, which imports this module
+    sys.exit(main())

@@ -1,6 +1,7 @@
 """`specdec demo`'s time budget and its split between data and training (the demo itself runs end to end in CI:
 `make demo-quick`)."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -104,3 +105,26 @@ def test_a_first_shard_too_small_to_time_training_falls_back_to_half_the_minutes
     assert split is None and "the training probe could not run" in capsys.readouterr().out
     assert json.loads((tmp_path / "out" / "data" / "manifest.json").read_text())["complete"]
 
+
+
+def test_the_demo_evaluates_in_a_process_of_its_own(tiny_checkpoints, tmp_path, monkeypatch):
+    """The evaluation stage times its decoders in a fresh interpreter (the kernels it measures and the heap it
+    allocates from are not those the data stage and training left behind): here the parent's `specdec eval` run
+    is broken, and the stage still returns the report its own process wrote."""
+    from specdec.eval import runner
+    from specdec.eval.config import EvalConfig
+
+    def in_this_process(cfg):
+        raise AssertionError("the evaluation ran in the demo's own process")
+
+    monkeypatch.setattr(runner, "run", in_this_process)
+    cfg = EvalConfig(target=tiny_checkpoints["target"], draft=tiny_checkpoints["draft"],
+                     prompts=tiny_checkpoints["prompts"], out=str(tmp_path / "eval"), max_new_tokens=6,
+                     num_draft_tokens=[2], dtype="float64", cost_repeats=1, warmup=0, threads=1)
+    report = demo.evaluate_in_own_process(cfg)
+    assert report == json.loads((tmp_path / "eval" / "report.json").read_text())
+    assert report["equivalence"]["passed"] and report["config"]["num_draft_tokens"] == 2
+
+    broken = dataclasses.replace(cfg, draft=str(tmp_path / "no-draft"), out=str(tmp_path / "eval-broken"))
+    with pytest.raises(RuntimeError, match="the evaluation stage stopped .* Run `specdec demo` again"):
+        demo.evaluate_in_own_process(broken)
