@@ -60,6 +60,7 @@ def run_variant(name: str, args, out: Path) -> dict:
                       f"max_steps={args.train_steps}", "max_minutes=null", "eval_every=0", "stop_after_flat_evals=0",
                       "save_every=0", f"log_every={args.train_steps}"]}
     code = OWN_PROCESS if name == "own process" else AFTER_TRAINING
+    out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.with_suffix(".log"), "w") as log:
         subprocess.run([sys.executable, "-c", code, json.dumps(spec)], cwd=ROOT, stdout=log,
                        stderr=subprocess.STDOUT, check=True)
@@ -72,9 +73,9 @@ def run_variant(name: str, args, out: Path) -> dict:
             "acceptance": report["speculative"]["acceptance_rate"], "kernels": kernels}
 
 
-def kernel_differences(rows: list[dict]) -> list[str]:
-    """Per (layer shape, rows): the kernels the runs chose, where they did not all choose the same."""
-    keys = sorted({k for r in rows for k in r["kernels"]})
+def kernel_differences(rows: list[dict], max_rows: int) -> list[str]:
+    """Per (layer shape, rows up to max_rows): the kernels the runs chose, where they did not all choose the same."""
+    keys = sorted({k for r in rows for k in r["kernels"] if k[2] <= max_rows})
     lines = []
     for key in keys:
         chosen = [r["kernels"].get(key, "-") for r in rows]
@@ -91,6 +92,8 @@ def main() -> None:
     parser.add_argument("--train-steps", type=int, default=60)
     parser.add_argument("--prompts", type=int, default=24, help="held-out prompts evaluated (the demo's 24)")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--kernel-rows", type=int, default=2,
+                        help="list the kernel choices up to this many rows (2: what a round at k = 1 runs)")
     parser.add_argument("--work", default="runs/bench-demo-eval-process")
     parser.add_argument("--name", default="demo-eval-process", help="docs/results/<date>-<name>.md")
     args = parser.parse_args()
@@ -114,8 +117,9 @@ def main() -> None:
                       for v in ("own process", "after training"))
         ratios.append(f"- round {r}: measured speedup, own process / after training: "
                       f"**{own['speedup'] / after['speedup']:.2f}x** ({own['speedup']:.3f} against {after['speedup']:.3f})")
-    differing = kernel_differences(rows)
-    kernels = (["", "CPU linear kernels chosen where the runs differ (layer out x in features, rows):", "",
+    differing = kernel_differences(rows, args.kernel_rows)
+    kernels = (["", f"CPU linear kernels chosen where the runs differ, up to {args.kernel_rows} rows (layer out x in "
+                "features, rows):", "",
                 "| layer, rows | " + " | ".join(f"{x['round']} {x['variant']}" for x in rows) + " |",
                 "|---|" + "---|" * len(rows), *differing] if differing else ["", "Every run chose the same kernels."])
     body = "\n".join([

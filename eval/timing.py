@@ -65,9 +65,9 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
         elif self.can_reset_hwm:
             # The mark restarts from the current RSS, which still holds memory that earlier work in this process
-            # freed but the allocator kept (`specdec demo` trains in the same process: its eval read far more than
-            # the 135M pair's own memory, docs/results/history.md). Hand that back first, so the figure is the
-            # decoder's.
+            # freed but the allocator kept (a caller that trained first: `specdec demo`, when it still evaluated in
+            # the process that trained, read far more than the 135M pair's own memory, docs/results/history.md).
+            # Hand that back first, so the figure is the decoder's.
             _release_freed_memory()
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")

@@ -87,6 +87,11 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+def configure_logging() -> None:
+    """The `specdec` command's log lines (also set in a process a command spawns: the demo's evaluation)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `specdec` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -97,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"specdec: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     if wants_help(rest):  # before any parsing: `specdec demo --quick --help` is help, whatever else the line holds
         print(command_help(name))
         return 0

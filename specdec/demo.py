@@ -185,9 +185,10 @@ def evaluate_in_own_process(eval_cfg) -> dict:
 
 def _evaluate(eval_cfg) -> None:
     """The evaluation stage's own process: logging as the `specdec` command sets it, then `specdec eval`'s run."""
+    from specdec.cli import configure_logging
     from specdec.eval.runner import run as run_eval
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     run_eval(eval_cfg)
 
 

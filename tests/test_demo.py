@@ -1,5 +1,5 @@
-"""`specdec demo`'s time budget and its split between data and training (the demo itself runs end to end in CI:
-`make demo-quick`)."""
+"""`specdec demo`'s time budget, its split between data and training, and its evaluation in a process of its own
+(the demo itself runs end to end in CI: `make wheel-demo`)."""
 
 import dataclasses
 import json
@@ -104,7 +104,6 @@ def test_a_first_shard_too_small_to_time_training_falls_back_to_half_the_minutes
                                 eval_minutes=lambda: 1.0)
     assert split is None and "the training probe could not run" in capsys.readouterr().out
     assert json.loads((tmp_path / "out" / "data" / "manifest.json").read_text())["complete"]
-
 
 
 def test_the_demo_evaluates_in_a_process_of_its_own(tiny_checkpoints, tmp_path, monkeypatch):
