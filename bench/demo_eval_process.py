@@ -97,12 +97,17 @@ def main() -> None:
     parser.add_argument("--work", default="runs/bench-demo-eval-process")
     parser.add_argument("--name", default="demo-eval-process", help="docs/results/<date>-<name>.md")
     args = parser.parse_args()
+    # the variants run from the checkout's root: the paths they read are made absolute (the page shows them as given)
+    given = argparse.Namespace(**vars(args))
+    args.draft, args.data = str(Path(args.draft).resolve()), str(Path(args.data).resolve())
+    args.recipe = str(Path(args.recipe).resolve()) if Path(args.recipe).exists() else args.recipe
+    args.work = Path(args.work).resolve()
     provenance = results.header("The demo's evaluation in a process of its own")
     rows = []
     for r in range(args.rounds):
         order = ["own process", "after training"] if r % 2 == 0 else ["after training", "own process"]
         for name in order:
-            out = Path(args.work) / f"round{r}-{name.replace(' ', '-')}"
+            out = args.work / f"round{r}-{name.replace(' ', '-')}"
             row = {"round": r, **run_variant(name, args, out)}
             rows.append(row)
             print(f"round {r} {name}: speedup {row['speedup']:.3f} (analytical {row['analytical']:.3f}), "
@@ -123,8 +128,8 @@ def main() -> None:
                 "| layer, rows | " + " | ".join(f"{x['round']} {x['variant']}" for x in rows) + " |",
                 "|---|" + "---|" * len(rows), *differing] if differing else ["", "Every run chose the same kernels."])
     body = "\n".join([
-        f"draft `{args.draft}`; eval settings of `{args.recipe}` with {args.prompts} held-out prompts, greedy; "
-        f"`after training` trains {args.train_steps} steps on `{args.data}` first, in the process that then evaluates.",
+        f"draft `{given.draft}`; eval settings of `{given.recipe}` with {args.prompts} held-out prompts, greedy; "
+        f"`after training` trains {args.train_steps} steps on `{given.data}` first, in the process that then evaluates.",
         "", *table, "", *ratios, *kernels])
     print(body)
     print(f"written to {results.write(args.name, '', body, provenance)}")
