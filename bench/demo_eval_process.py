@@ -25,37 +25,34 @@ import results  # bench/results.py (this script runs with bench/ on its path)
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/smollm2-135m-eagle3.yaml"
 
-AFTER_TRAINING = r"""
-import json, sys
+# Both variants take the evaluation stage's config from the demo itself (specdec/demo.py: stage_configs), greedy.
+DEMO_EVAL = r"""
+import dataclasses, json, sys
+from specdec.demo import DemoConfig, stage_configs
+spec = json.loads(sys.argv[1])
+stages = stage_configs(DemoConfig(recipe=spec["recipe"], output_dir=spec["work"], eval_num_prompts=spec["prompts"],
+                                  sampled_temperature=0))
+eval_cfg = dataclasses.replace(stages.eval, draft=spec["draft"], out=spec["out"])
+"""
+
+AFTER_TRAINING = DEMO_EVAL + r"""
 from specdec.config import load_config
-from specdec.eval.config import EvalConfig
 from specdec.eval.runner import run as run_eval
 from specdec.train import distill
 from specdec.train.train_config import TrainConfig
-spec = json.loads(sys.argv[1])
-train = load_config(TrainConfig, spec["recipe"], spec["train"], section="train")
-distill.run(train)
-run_eval(load_config(EvalConfig, spec["recipe"], spec["eval"], section="eval"))
+distill.run(load_config(TrainConfig, spec["recipe"], spec["train"], section="train"))
+run_eval(eval_cfg)
 """
 
-OWN_PROCESS = r"""
-import json, sys
-from specdec.config import load_config
+OWN_PROCESS = DEMO_EVAL + r"""
 from specdec.demo import evaluate_in_own_process
-from specdec.eval.config import EvalConfig
-spec = json.loads(sys.argv[1])
-evaluate_in_own_process(load_config(EvalConfig, spec["recipe"], spec["eval"], section="eval"))
+evaluate_in_own_process(eval_cfg)
 """
-
-
-def eval_overrides(draft: str, out: Path, prompts: int) -> list[str]:
-    """The demo's evaluation stage settings (specdec/demo.py: stage_configs), greedy only."""
-    return [f"draft={draft}", f"out={out}", "prompts=embedded:heldout", f"num_prompts={prompts}",
-            "sampled_acceptance_temperature=0"]
 
 
 def run_variant(name: str, args, out: Path) -> dict:
-    spec = {"recipe": args.recipe, "eval": eval_overrides(args.draft, out / "eval", args.prompts),
+    spec = {"recipe": args.recipe, "work": str(out), "prompts": args.prompts, "draft": args.draft,
+            "out": str(out / "eval"),
             "train": [f"train_data={args.data}", f"output_dir={out / 'train'}", "overwrite=true",
                       f"max_steps={args.train_steps}", "max_minutes=null", "eval_every=0", "stop_after_flat_evals=0",
                       "save_every=0", f"log_every={args.train_steps}"]}
