@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from specdec import fast_linear
+from specdec.eval import intervals
 from specdec.eval.engine import markdown as engine_markdown
 from specdec.outputs import NOT_REACHED, position_rates
 from specdec.proposal import Proposal
@@ -219,6 +220,7 @@ def to_markdown(r: dict) -> str:
         "",
         *[f"- {reason}" for reason in d["reasons"]],
         "",
+        *intervals.markdown_line(r.get("intervals"), cfg["num_prompts"]),
         *_recommended_lines(r),
         *_results_lines(r),
         *_sampled_lines(r),

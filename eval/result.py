@@ -57,6 +57,8 @@ def assemble(cfg, prompts, rows, best, fastest, costs, device, timing) -> dict:
         "harness": {**timing, "overhead_fraction": max(0.0, 1 - timing["decoder_s"] / timing["loop_s"])
                     if timing["loop_s"] else 0.0},
     }
+    if best.get("intervals"):  # how close the verdict's call was: eval/intervals.py
+        result["intervals"] = best["intervals"]
     if best["categories"]:
         result["categories"] = best["categories"]
     if len(rows) > 1:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 from specdec.eval import decision as decision_mod
-from specdec.eval import equivalence, memory, metrics
+from specdec.eval import equivalence, intervals, memory, metrics
 from specdec.eval.config import EvalConfig
 from specdec.eval.measure import Call
 from specdec.eval.verify import check_pair
@@ -66,6 +66,7 @@ def config_row(cfg, prompts, calls: list[Call], p: Proposal, b: int, cost: dict,
             mem["draft_weights_mb"] + mem["draft_packed_mb"])},
         "equivalence": eq,
         "categories": _categories(prompts, base, spec),
+        "intervals": intervals.bootstrap(base, spec, seed=cfg.seed),
         "samples": [(prompts[i].prompt_id, prompts[i].category, by_row_base[i], by_row_spec[i]) for i in order],
     }
 

@@ -399,6 +399,7 @@ def _sampled_lines(report: dict) -> list[str]:
 def _print_summary(report: dict, eval_dir: Path, draft_dir: Path, timings: dict[str, float],
                    split: dict | None = None) -> None:
     """The demo's closing lines; `split`: demo_summary.json's (None where no split was measured)."""
+    from specdec.eval import intervals
     spec = report.get("speculative", {})
     config = report.get("config", {})
     decision = report.get("decision", {})
@@ -411,10 +412,12 @@ def _print_summary(report: dict, eval_dir: Path, draft_dir: Path, timings: dict[
          else f"k                 {config.get('num_draft_tokens')}"),
         *_choice_lines(report),
         f"acceptance rate   {spec.get('acceptance_rate', float('nan')):.3f}"
-        + (" (greedy)" if config.get("temperature") == 0 else f" (T={config.get('temperature')})"),
+        + (" (greedy)" if config.get("temperature") == 0 else f" (T={config.get('temperature')})")
+        + intervals.summary_text(report.get("intervals"), "acceptance_rate"),
         f"mean accepted     {spec.get('mean_accepted_tokens', float('nan')):.2f} tokens per round",
         *_sampled_lines(report),
-        f"speedup           {report.get('speedup', float('nan')):.2f}x vs the target alone (same run, same prompts)",
+        f"speedup           {report.get('speedup', float('nan')):.2f}x vs the target alone (same run, same prompts)"
+        + intervals.summary_text(report.get("intervals"), "speedup", "x"),
         f"equivalence       {'passed' if report.get('equivalence', {}).get('passed') else 'FAILED'}",
         f"verdict           {decision.get('verdict')}",
         *[f"  - {reason}" for reason in decision.get("reasons", [])],

@@ -49,6 +49,11 @@ def test_eval_greedy_sweep_writes_a_complete_report(tiny_checkpoints, tmp_path):
     assert report["decision"]["verdict"] == "keep-target-only"
     assert any("speedup" in r and "FAILS" in r for r in report["decision"]["reasons"])
     assert set(report["categories"]) == {"writing", "math"}
+    # How close the verdict's call was: bootstrap intervals over the recommended row's prompt batches.
+    ivs = report["intervals"]
+    assert ivs["level"] == 0.95 and ivs["batches"] == 4 // report["config"]["batch_size"]
+    assert ivs["acceptance_rate"][0] <= spec["acceptance_rate"] <= ivs["acceptance_rate"][1]
+    assert ivs["speedup"][0] <= report["speedup"] <= ivs["speedup"][1]
 
     lines = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert [x["prompt_id"] for x in lines] == ["1", "2", "3", "4"]
@@ -60,6 +65,7 @@ def test_eval_greedy_sweep_writes_a_complete_report(tiny_checkpoints, tmp_path):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (tmp_path / "report.md").read_text()
     assert "keep-target-only" in md and "## Sweep" in md and "tau_hat / (k * c + v)" in md
+    assert "95% intervals over the 4 prompts" in md
     assert "](latency_cdf.png)" in md and "## By category" in md
     # The CPU linear kernels the run measured and kept (specdec/fast_linear.py), for the rows it decoded.
     kernels = report["cpu_linear_kernels"]
