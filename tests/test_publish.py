@@ -207,6 +207,15 @@ def test_card_results_come_from_the_report():
     assert "num_assistant_tokens = 5" in card and "--num-draft-tokens 5" in card
 
 
+def test_the_card_gives_the_reports_intervals_beside_its_figures():
+    report = {**REPORT, "intervals": {"level": 0.95, "resamples": 2000, "batches": 80,
+                                      "acceptance_rate": [0.5811, 0.6602], "speedup": [1.2913, 1.4425]}}
+    results = _section(render_card(_info(), report), "Results")
+    assert "| acceptance rate, 95% interval over the prompts (bootstrap) | 0.581 - 0.660 |" in results
+    assert "| speedup, 95% interval over the prompts (bootstrap) | 1.29x - 1.44x |" in results
+    assert "interval" not in render_card(_info(), REPORT)  # an older report: no rows for them
+
+
 def test_a_report_measured_with_a_tree_says_so_and_engines_get_its_depth():
     report = {**REPORT, "config": {**REPORT["config"], "num_draft_tokens": 2, "tree": "4x1"}}
     card = render_card(_info(), report)

@@ -74,6 +74,16 @@ def _get(tree: dict | None, dotted: str) -> Any:
     return node
 
 
+def _interval_row(report: dict, name: str, key: str, spec: str, suffix: str = "") -> list[tuple[str, str]]:
+    """The figure's interval over the evaluation's prompts (specdec.eval.intervals), where the report has one."""
+    intervals = _get(report, "intervals")
+    if not isinstance(intervals, dict) or not isinstance(intervals.get(key), list):
+        return []
+    low, high = intervals[key]
+    return [(f"{name}, {intervals.get('level', 0.95):.0%} interval over the prompts (bootstrap)",
+             f"{_fmt(low, spec, suffix)} - {_fmt(high, spec, suffix)}")]
+
+
 def _fmt(value: Any, spec: str, suffix: str = "") -> str:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return "not reported"
@@ -157,10 +167,12 @@ def _results(report: dict | None) -> list[str]:
                          if key in env) or "not reported"
     rows = [
         ("acceptance rate (accepted / proposed draft tokens)", _fmt(_get(report, "speculative.acceptance_rate"), ".3f")),
+        *_interval_row(report, "acceptance rate", "acceptance_rate", ".3f"),
         ("mean accepted tokens per round (incl. correction/bonus)",
          _fmt(_get(report, "speculative.mean_accepted_tokens"), ".2f")),
         *_sampled_rows(report),
         ("speedup (baseline time / speculative time)", _fmt(_get(report, "speedup"), ".2f", "x")),
+        *_interval_row(report, "speedup", "speedup", ".2f", "x"),
         *([("draft tree (specdec's decoder; engines run the draft as a chain of its depth)",
             f"{_get(report, 'config.tree')} (depth {_fmt(_get(report, 'config.num_draft_tokens'), 'd')})")]
           if _get(report, "config.tree") else
