@@ -216,12 +216,15 @@ def test_the_card_gives_the_reports_intervals_beside_its_figures():
     assert "interval" not in render_card(_info(), REPORT)  # an older report: no rows for them
 
 
-def test_a_report_measured_with_a_tree_says_so_and_engines_get_its_depth():
-    report = {**REPORT, "config": {**REPORT["config"], "num_draft_tokens": 2, "tree": "4x1"}}
+@pytest.mark.parametrize("tree, depth", [("4x1", 2), ("4", 1)])
+def test_a_report_measured_with_a_tree_says_so_and_engines_get_its_depth(tree, depth):
+    # as report.json writes a tree's row: its depth in tree_depth, num_draft_tokens null
+    report = {**REPORT, "config": {**REPORT["config"], "num_draft_tokens": None, "tree": tree, "tree_depth": depth}}
     card = render_card(_info(), report)
-    assert "4x1 (depth 2)" in _section(card, "Results") and "| k (draft tokens per round)" not in card
-    assert 'tree="4x1"' in card and "tree=4x1 --max-new-tokens" in card
-    assert '"num_speculative_tokens": 2' in card  # vLLM runs the draft as a chain of the tree's depth
+    assert f"| {tree} (depth {depth}) |" in _section(card, "Results") and "| k (draft tokens per round)" not in card
+    assert f'tree="{tree}"' in card and f"tree={tree} --max-new-tokens" in card
+    # vLLM runs the draft as a chain of the tree's depth
+    assert f'"num_speculative_tokens": {depth}' in card and "--speculative-num-steps " + str(depth) in card
 
 
 def test_card_names_the_task_types_where_the_draft_is_weak():

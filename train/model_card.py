@@ -147,8 +147,9 @@ def metadata(info: CardInfo) -> dict[str, Any]:
 
 
 def num_draft_tokens(report: dict | None) -> int:
-    """k measured by the report, else the snippets' default."""
-    k = _get(report, "config.num_draft_tokens")
+    """k measured by the report (a tree's depth: the engines run the draft as a chain of it), else the snippets'
+    default."""
+    k = _get(report, "config.tree_depth") if _get(report, "config.tree") else _get(report, "config.num_draft_tokens")
     return int(k) if isinstance(k, int) and not isinstance(k, bool) and k > 0 else DEFAULT_K
 
 
@@ -174,7 +175,7 @@ def _results(report: dict | None) -> list[str]:
         ("speedup (baseline time / speculative time)", _fmt(_get(report, "speedup"), ".2f", "x")),
         *_interval_row(report, "speedup", "speedup", ".2f", "x"),
         *([("draft tree (specdec's decoder; engines run the draft as a chain of its depth)",
-            f"{_get(report, 'config.tree')} (depth {_fmt(_get(report, 'config.num_draft_tokens'), 'd')})")]
+            f"{_get(report, 'config.tree')} (depth {_fmt(_get(report, 'config.tree_depth'), 'd')})")]
           if _get(report, "config.tree") else
           [("k (draft tokens per round)", _fmt(_get(report, "config.num_draft_tokens"), "d"))]),
         ("target-only tokens/s", _fmt(_get(report, "baseline.tokens_per_s"), ".1f")),
