@@ -221,7 +221,9 @@ def test_a_report_measured_with_a_tree_says_so_and_engines_get_its_depth(tree, d
     # as report.json writes a tree's row: its depth in tree_depth, num_draft_tokens null
     report = {**REPORT, "config": {**REPORT["config"], "num_draft_tokens": None, "tree": tree, "tree_depth": depth}}
     card = render_card(_info(), report)
-    assert f"| {tree} (depth {depth}) |" in _section(card, "Results") and "| k (draft tokens per round)" not in card
+    results = _section(card, "Results")
+    assert f"| {tree} (depth {depth}) |" in results and "| k (draft tokens per round)" not in card
+    assert "| acceptance rate (accepted tokens per tree level: higher than its chain's with the same draft) |" in results
     assert f'tree="{tree}"' in card and f"tree={tree} --max-new-tokens" in card
     # vLLM runs the draft as a chain of the tree's depth
     assert f'"num_speculative_tokens": {depth}' in card and "--speculative-num-steps " + str(depth) in card

@@ -167,7 +167,9 @@ def _results(report: dict | None) -> list[str]:
     env_text = ", ".join(f"{key} {env[key]}" for key in ("device", "threads", "python", "torch", "transformers")
                          if key in env) or "not reported"
     rows = [
-        ("acceptance rate (accepted / proposed draft tokens)", _fmt(_get(report, "speculative.acceptance_rate"), ".3f")),
+        (("acceptance rate (accepted tokens per tree level: higher than its chain's with the same draft)"
+          if _get(report, "config.tree") else "acceptance rate (accepted / proposed draft tokens)"),
+         _fmt(_get(report, "speculative.acceptance_rate"), ".3f")),
         *_interval_row(report, "acceptance rate", "acceptance_rate", ".3f"),
         ("mean accepted tokens per round (incl. correction/bonus)",
          _fmt(_get(report, "speculative.mean_accepted_tokens"), ".2f")),
