@@ -5,6 +5,7 @@ micro-batches the steps happen to draw?
     python bench/train_memory_real.py --data D --copies 10 --seeds 0 1 --steps 8
     python bench/train_memory_real.py --data runs/demo/data --slice-tokens 0 4096   # whole micro-batches vs slices
     python bench/train_memory_real.py --data runs/demo/data --copies 0 --steps 150 --release-every 0 25
+    python bench/train_memory_real.py --data runs/demo/data --copies 0 --steps 75 --seeds 0 --before /tmp/before
 
 The small folder is the data folder's first shard; the large one is `--copies` copies of it (linked, not written
 again: the same rows, so the rows' lengths and states are the data's own); `--copies 0` takes the whole folder
@@ -22,6 +23,7 @@ allocator settings given as environment variables (`default`: none), e.g. glibc'
 block at least that large mapped on its own and unmapped when freed, where glibc otherwise raises the threshold up
 to 32 MiB and keeps such blocks in its heap) and `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` (those mappings in
 transparent huge pages): what is left between the folders then is what the steps hold live, not what the heap keeps.
+`--before` runs every case on an earlier checkout's code as well (`code` before against this).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import tempfile
 from pathlib import Path
 
 import results  # bench/results.py (this script runs with bench/ on its path)
+from checkouts import PREAMBLE
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -104,15 +107,19 @@ def malloc_env(variant: str) -> dict[str, str]:
 
 
 def run(recipe: str, folder: Path, out: Path, steps: int, seed: int, slice_tokens: int | None,
-        release_every: int | None, malloc: str = "default") -> dict:
+        release_every: int | None, malloc: str = "default", tree: Path = ROOT) -> dict:
+    """One training run in its own process, on `tree`'s code (this checkout's, or another's: bench/checkouts.py)."""
     overrides = [f"train_data={folder}", f"output_dir={out}", "overwrite=true", f"max_steps={steps}",
                  *([] if slice_tokens is None else [f"slice_tokens={slice_tokens}"]),
                  *([] if release_every is None else [f"release_host_memory_every={release_every}"]),
                  "max_minutes=null", "eval_every=0", "stop_after_flat_evals=0", "save_every=0", f"seed={seed}",
                  "data_workers=0", f"log_every={steps}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", **malloc_env(malloc))
-    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps({"recipe": recipe, "overrides": overrides})],
-                          cwd=ROOT, env=env, capture_output=True, text=True)
+    source = CHILD
+    if tree != ROOT:
+        env["PYTHONPATH"], source = str(tree), PREAMBLE + CHILD
+    proc = subprocess.run([sys.executable, "-c", source, json.dumps({"recipe": recipe, "overrides": overrides})],
+                          cwd=tree, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"training on {folder} failed:\n{proc.stderr[-3000:]}")
     return json.loads([x for x in proc.stdout.splitlines() if x.startswith("MEMORY_RESULT ")][-1][14:])
@@ -131,6 +138,8 @@ def main() -> None:
                         help="release_host_memory_every values to run each case at [the recipe's]")
     parser.add_argument("--malloc", nargs="+", default=["default"],
                         help="allocator settings to run each case under: `default` or NAME=VALUE[,NAME=VALUE...]")
+    parser.add_argument("--before", type=Path, default=None,
+                        help="a checkout (git worktree) of an earlier commit: every case runs on its code too")
     parser.add_argument("--name", default="train-memory-real", help="docs/results/<date>-<name>.md")
     args = parser.parse_args()
     provenance = results.header("Training's host memory on a real data folder")
@@ -140,37 +149,43 @@ def main() -> None:
     rows_per_shard = json.loads((small / "manifest.json").read_text())["shards"][0]["examples"]
     large_name = f"{args.copies} copies of it" if args.copies else "the whole folder"
     large_rows = rows_per_shard * args.copies or json.loads((large / "manifest.json").read_text())["counts"]["examples"]
-    table = ["| allocator | release_host_memory_every | slice_tokens | folder | samples | seed | widest micro-batch "
-             "drawn | peak RssAnon | trained tokens/s |", "|---|---|---:|---|---:|---:|---|---:|---:|"]
-    measured = {}  # (malloc, release_every, slice_tokens, folder, seed) -> the child's result
-    for malloc in args.malloc:
+    table = ["| code | allocator | release_host_memory_every | slice_tokens | folder | samples | seed | widest "
+             "micro-batch drawn | peak RssAnon | trained tokens/s |", "|---|---|---|---:|---|---:|---:|---|---:|---:|"]
+    measured = {}  # (code, malloc, release_every, slice_tokens, folder, seed) -> the child's result
+    codes = {"this": ROOT, **({"before": args.before.resolve()} if args.before else {})}
+    for (code, tree), malloc in ((item, malloc) for item in codes.items() for malloc in args.malloc):
         for release_every in args.release_every:
             for slice_tokens in args.slice_tokens:
                 for name, folder, samples in (("first shard", small, rows_per_shard), (large_name, large, large_rows)):
                     for seed in args.seeds:
                         out = run(args.recipe, folder, work / f"run-{len(measured)}", args.steps, seed, slice_tokens,
-                                  release_every, malloc)
-                        measured[malloc, release_every, slice_tokens, name, seed] = out
+                                  release_every, malloc, tree)
+                        measured[code, malloc, release_every, slice_tokens, name, seed] = out
                         rows, width = out["widest"]
                         rate = out.get("tokens_per_second")
-                        table.append(f"| {malloc} | {shown(release_every)} | {shown(slice_tokens)} | {name} | {samples} "
+                        table.append(f"| {code} | {malloc} | {shown(release_every)} | {shown(slice_tokens)} | {name} | {samples} "
                                      f"| {seed} | {rows} x {width} tokens | {out['peak_anon_mb']:.0f} MB "
                                      f"| {f'{rate:.0f}' if rate else '—'} |")
                         print(table[-1], flush=True)
     ratios = []
-    for (malloc, release_every, slice_tokens, name, seed), out in measured.items():
+    for (code, malloc, release_every, slice_tokens, name, seed), out in measured.items():
         if name != large_name:
             continue
-        small_out = measured[malloc, release_every, slice_tokens, "first shard", seed]
-        line = (f"- {malloc}, release {shown(release_every)}, slices {shown(slice_tokens)}, seed {seed}: peak {large_name} / first "
+        small_out = measured[code, malloc, release_every, slice_tokens, "first shard", seed]
+        line = (f"- {code} code, {malloc}, release {shown(release_every)}, slices {shown(slice_tokens)}, seed {seed}: peak {large_name} / first "
                 f"shard **{out['peak_anon_mb'] / small_out['peak_anon_mb']:.2f}x**")
-        base = measured.get(("default", release_every, slice_tokens, name, seed))
+        base = measured.get((code, "default", release_every, slice_tokens, name, seed))
         if malloc != "default" and base and out.get("tokens_per_second") and base.get("tokens_per_second"):
-            small_base = measured["default", release_every, slice_tokens, "first shard", seed]
+            small_base = measured[code, "default", release_every, slice_tokens, "first shard", seed]
             line += (f"; against `default` in this run: peaks {small_out['peak_anon_mb'] / small_base['peak_anon_mb']:.2f}x"
                      f" / {out['peak_anon_mb'] / base['peak_anon_mb']:.2f}x, trained tokens/s "
                      f"{small_out['tokens_per_second'] / small_base['tokens_per_second']:.2f}x"
                      f" / {out['tokens_per_second'] / base['tokens_per_second']:.2f}x (first shard / {large_name})")
+        earlier = measured.get(("before", malloc, release_every, slice_tokens, name, seed))
+        if code == "this" and earlier:
+            small_earlier = measured["before", malloc, release_every, slice_tokens, "first shard", seed]
+            line += (f"; against the `--before` code: peaks {small_out['peak_anon_mb'] / small_earlier['peak_anon_mb']:.2f}x"
+                     f" / {out['peak_anon_mb'] / earlier['peak_anon_mb']:.2f}x (first shard / {large_name})")
         ratios.append(line)
     shutil.rmtree(work, ignore_errors=True)
     body = "\n".join([

@@ -3,13 +3,17 @@
     git worktree add /tmp/before <commit>
     python bench/train_throughput.py --before /tmp/before                 # SmolLM2-135M shapes, ttt_steps 3
     python bench/train_throughput.py --before /tmp/before --bf16 --rounds 5
+    python bench/train_throughput.py --before /tmp/before --bf16 --ttt 1 --supervise-prompt   # the demo recipe's
+    python bench/train_throughput.py --before /tmp/before --data outputs/demo/data --steps 80   # the whole trainer
 
 Each child process builds an EAGLE-3 draft with the embedded target's shapes (random weights: the cost depends on
 the shapes), a fixed list of micro-batches of 16 samples whose lengths follow the demo recipe's data (a prompt of
 40-230 tokens, then up to 96 completion tokens; seeded), and times `--steps` optimizer steps (loss, backward,
-AdamW) after one warm-up step, with the tree's own loss and collation. It prints the completion tokens trained
-per second. Rounds alternate the children's order, so a machine that drifts slows each alike; the figures are
-medians over rounds, with each round's after / before ratio.
+AdamW) after one warm-up step, with the tree's own loss and collation. It prints the positions trained per second
+(the completions', or with `--supervise-prompt` every position's). With `--data` each child runs the whole trainer
+instead (`specdec train`, the recipe's settings) on that recorded folder and prints the trainer's own pace. Rounds
+alternate the children's order, so a machine that drifts slows each alike; the figures are medians over rounds,
+with each round's after / before ratio.
 """
 
 from __future__ import annotations
@@ -50,7 +54,8 @@ for _ in range(args["steps"] + 1):
     prompts = [rng.randint(40, 230) for _ in range(16)]
     seqs = [[int(draft.draft_to_target[rng.randrange(args["vocab"])]) for _ in range(p + rng.randint(16, 96))]
             for p in prompts]
-    batch = batches.collate({"input_ids": seqs, "prompt_length": prompts}, pad_id=0, max_length=512)
+    batch = batches.collate({"input_ids": seqs, "prompt_length": prompts}, pad_id=0, max_length=512,
+                            prompt_positions=args["prompt"])
     states = torch.randn(*batch["input_ids"].shape, 4 * 576)
     if args["pack"]:
         packed = batches.pack(batch, 512)
@@ -73,8 +78,22 @@ print("TOKENS_PER_S", tokens / seconds)
 """
 
 
+# `--data`: the whole trainer (`specdec train`, the recipe's settings) on a recorded data folder, for `steps` steps;
+# the figure is its own pace (trained tokens/s over its timed steps, evaluations and saves excluded).
+TRAINER_CHILD = r"""
+import json, sys, tempfile
+from specdec.cli import main
+args = json.loads(sys.argv[1])
+out = tempfile.mkdtemp(prefix="train-throughput-")
+main(["train", "--config", args["recipe"], "train_data=" + args["data"], "output_dir=" + out, "heldout_data=",
+      f"max_steps={args['steps']}", "max_minutes=null", "eval_every=100000", "save_every=100000", "overwrite=true"])
+with open(out + "/train_summary.json") as f:
+    print("TOKENS_PER_S", json.load(f)["pace"]["tokens_per_second"])
+"""
+
+
 def tokens_per_s(tree: Path, settings: dict) -> float:
-    return last_figure(run_child(tree, CHILD, settings), "TOKENS_PER_S")
+    return last_figure(run_child(tree, TRAINER_CHILD if settings.get("data") else CHILD, settings), "TOKENS_PER_S")
 
 
 def main() -> None:
@@ -85,8 +104,16 @@ def main() -> None:
     parser.add_argument("--ttt", type=int, default=3)
     parser.add_argument("--vocab", type=int, default=4096, help="draft vocabulary (the demo recipe's)")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast (what the trainer uses where native)")
+    parser.add_argument("--supervise-prompt", action="store_true",
+                        help="score the prompts' positions too (the demo recipe's supervise_prompt)")
+    parser.add_argument("--data", default="", help="a recorded data folder: time the whole trainer on it instead "
+                        "(the recipe's settings, --steps steps; synthetic batches otherwise)")
+    parser.add_argument("--recipe", default="recipes/smollm2-135m-eagle3.yaml", help="with --data: the recipe")
     args = parser.parse_args()
-    base = {"steps": args.steps, "ttt": args.ttt, "vocab": args.vocab, "bf16": args.bf16}
+    if args.data:
+        return trainer(args)
+    base = {"steps": args.steps, "ttt": args.ttt, "vocab": args.vocab, "bf16": args.bf16,
+            "prompt": args.supervise_prompt}
     children = {"before": (args.before.resolve(), False), "after": (ROOT, False), "after, packed": (ROOT, True)}
     figures: dict[str, list[float]] = {name: [] for name in children}
     names = list(children)
@@ -103,12 +130,38 @@ def main() -> None:
     body = "\n".join([
         f"EAGLE-3 training steps (loss, backward, AdamW), ttt_steps {args.ttt}, SmolLM2-135M shapes, draft "
         f"vocabulary {args.vocab}, micro-batches of 16 samples of demo-like lengths (prompt 40-230 + completion "
-        f"16-96 tokens), {'bf16 autocast' if args.bf16 else 'float32'}, CPU; {args.steps} timed steps per child, "
+        f"16-96 tokens), {'every position scored, prompts too' if args.supervise_prompt else 'completions scored'}, "
+        f"{'bf16 autocast' if args.bf16 else 'float32'}, CPU; {args.steps} timed steps per child, "
         f"{args.rounds} rounds in alternating order. before = {args.before.name} "
         f"({results.commit_of(args.before)}).", "", *rows, "",
         f"after / before per round: {', '.join(f'{x:.3f}' for x in ratios)}", ""])
     print(body)
     print(f"written to {results.write('train-throughput', 'EAGLE-3 trained tokens per second, before and after', body)}")
+
+
+def trainer(args) -> None:
+    """Before and after, the whole trainer on a real data folder, in alternating order."""
+    settings = {"recipe": args.recipe, "data": str(Path(args.data).resolve()), "steps": args.steps}
+    children = {"before": args.before.resolve(), "after": ROOT}
+    figures: dict[str, list[float]] = {name: [] for name in children}
+    names = list(children)
+    for r in range(args.rounds):
+        for name in names[r % 2:] + names[: r % 2]:
+            figures[name].append(tokens_per_s(children[name], settings))
+        print(f"round {r + 1}: " + ", ".join(f"{n} {figures[n][-1]:.0f}" for n in names), flush=True)
+    median = {n: statistics.median(v) for n, v in figures.items()}
+    ratios = [a / b for a, b in zip(figures["after"], figures["before"])]
+    rows = ["| code | trained tokens/s (median) | / before | per round |", "|---|---:|---:|---|"]
+    rows += [f"| {n} | {median[n]:.0f} | {median[n] / median['before']:.3f} | "
+             f"{', '.join(f'{x:.0f}' for x in figures[n])} |" for n in names]
+    body = "\n".join([
+        f"`specdec train` with {args.recipe}'s settings on {args.data} ({args.steps} steps a run, the trainer's own "
+        f"pace: trained tokens/s over its timed steps), one run per checkout a round, {args.rounds} rounds in "
+        f"alternating order. before = {args.before.name} ({results.commit_of(args.before)}).", "", *rows, "",
+        f"after / before per round: {', '.join(f'{x:.3f}' for x in ratios)}; median {statistics.median(ratios):.3f}",
+        ""])
+    print(body)
+    print(f"written to {results.write('train-throughput-real', 'specdec train, trained tokens per second, before and after', body)}")
 
 
 if __name__ == "__main__":

@@ -110,6 +110,42 @@ def test_float32_and_default_chunk_equal_dense():
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_step_one_over_right_padded_rows_is_the_fused_causal_kernel(dtype, device, monkeypatch):
+    """Without a chunk, step 1 over right-padded rows without documents runs torch's fused causal attention: equal to
+    the dense computation at every real query, gradients included (the loss scores no other), and taken only there."""
+    calls = []
+    fused = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    q, keys, values, valid = random_inputs(3, 37, 1, lengths=[37, 20, 1], seed=5, dtype=dtype)
+    q, keys, values = (t.detach().to(device).requires_grad_() for t in (q, keys[0], values[0]))
+    keys, values, valid = [keys], [values], valid.to(device)
+    upstream = (torch.randn(q.shape, generator=torch.Generator().manual_seed(9), dtype=dtype).to(device)
+                * valid[:, None, :, None])
+    results = []
+    for fn in (unrolled_attention, dense_reference):
+        out = fn(q, keys[0], values[0], [], [], valid)
+        results.append((out.detach(), torch.autograd.grad(out, [q, keys[0], values[0]], upstream)))
+    (out, grads), (ref, ref_grads) = results
+    assert calls == [1]
+    tol = TOL if dtype == torch.float64 else {"rtol": 1e-4, "atol": 1e-5}
+    real = valid[:, None, :, None].expand_as(out)
+    torch.testing.assert_close(out[real], ref[real], **tol)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, **tol)
+    # Not taken: a given chunk, a later step, packed documents, or rows that are not right-padded.
+    left_padded = valid.flip(1)
+    unrolled_attention(q, keys[0], values[0], [], [], valid, chunk=8)
+    unrolled_attention(q, keys[0], values[0], [keys[0]], [values[0]], valid)
+    unrolled_attention(q, keys[0], values[0], [], [], valid, torch.zeros(3, 37, dtype=torch.long, device=device))
+    unrolled_attention(q, keys[0], values[0], [], [], left_padded)
+    assert calls == [1]
+
+
 def test_rows_without_an_allowed_key_stay_finite():
     """Step 1 of an all-padding row, and a padding position whose document holds no real key."""
     q, keys, values, valid = random_inputs(2, 12, 1, lengths=[0, 7])
@@ -165,17 +201,19 @@ def test_unrolled_equals_the_dense_implementation_with_gradients(small_draft, mo
     target, draft = small_draft
     ids, mask, states = draft_inputs(target, 3, 23, [23, 17, 9], seed=1)
 
+    real = mask[:, 1:].bool()  # draft positions of real tokens: step 1's padding outputs are never read or scored
+
     def run():
         draft.zero_grad()
         outs = draft.unrolled(ids, states, mask, 3)
-        sum((o * (j + 1)).sum() for j, o in enumerate(outs)).backward()
+        sum((o[real] * (j + 1)).sum() for j, o in enumerate(outs)).backward()
         return [o.detach() for o in outs], {k: p.grad.clone() for k, p in draft.named_parameters() if p.grad is not None}
 
     outs, grads = run()
     monkeypatch.setattr(eagle3_model, "unrolled_attention", dense_reference)
     ref, ref_grads = run()
     for o, r in zip(outs, ref):
-        torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(o[real], r[real], rtol=1e-5, atol=1e-5)
     assert "fc.weight" in grads and "midlayer.self_attn.q_proj.weight" in grads  # the gradients reach upstream
     for name, grad in grads.items():
         torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)

@@ -273,3 +273,34 @@ def test_rows_without_teacher_mass_are_dropped_not_nan():
     loss = losses.forward_kl(kept_student, kept_teacher)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(student.grad).all() and student.grad[1].abs().sum() == 0
+
+
+@pytest.mark.parametrize("truncated", [False, True])
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_forward_kl_gradient_is_autograds(truncated, temperature):
+    """forward_kl's hand-written gradient (q - p over the student's logits) equals autograd's through the plain
+    definition, masked rows, truncated (-inf) teachers and a temperature included."""
+    teacher = _logits(1, scale=2.0).float()
+    if truncated:  # an offline teacher: its stored top-n, -inf elsewhere
+        teacher = teacher.masked_fill(teacher < 0, float("-inf"))
+    mask = torch.rand(3, 5, generator=torch.Generator().manual_seed(2)) > 0.3
+    student = _logits(0, scale=2.0).float().requires_grad_(True)
+    got = losses.forward_kl(student, teacher, mask, temperature)
+    got.backward()
+    got_grad, student.grad = student.grad.clone(), None
+
+    log_q = torch.log_softmax(student[mask] / temperature, -1)
+    log_p = torch.log_softmax(teacher[mask] / temperature, -1)
+    p = log_p.exp()
+    want = torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p)).sum(-1).mean()
+    want.backward()
+    assert torch.allclose(got, want, atol=1e-6)
+    assert torch.allclose(got_grad, student.grad, atol=1e-7)
+    assert got_grad[~mask].abs().sum() == 0
+
+
+def test_forward_kl_with_a_learning_teacher_gives_both_gradients():
+    """A teacher that requires grad (no trainer has one today) takes autograd's path and gets its gradient."""
+    student, teacher = _logits(0).requires_grad_(True), _logits(1).requires_grad_(True)
+    losses.forward_kl(student, teacher).backward()
+    assert student.grad.abs().sum() > 0 and teacher.grad.abs().sum() > 0

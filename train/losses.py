@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 
 def _select(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -56,11 +57,40 @@ def _mean(values: torch.Tensor) -> torch.Tensor:
     return values.sum() / max(values.numel(), 1)
 
 
+class _ForwardKL(torch.autograd.Function):
+    """Per-row KL(p || q) from student and teacher logits [N, V] (float32), its gradient q - p written by hand.
+
+    The same sum through autograd (log-softmax, exp, where, subtract, multiply) keeps about six [N, V] tensors and
+    walks each back; this keeps two (log q, p) and writes one gradient. A reduced draft head's loss is a few such
+    passes over every scored position's vocabulary, a large share of a training step on a CPU
+    (bench/train_throughput.py measures the step)."""
+
+    @staticmethod
+    def forward(ctx, student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+        log_q = F.log_softmax(student, dim=-1)
+        log_p = F.log_softmax(teacher, dim=-1)
+        p = log_p.exp()
+        # 0 * log(0 / x) = 0 where the teacher has no mass (-inf); a row with none at all stays nan, as in `_kl`.
+        rows = torch.where(p == 0, 0.0, p * (log_p - log_q)).sum(dim=-1)
+        ctx.save_for_backward(log_q, p)
+        return rows
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_rows: torch.Tensor):
+        log_q, p = ctx.saved_tensors
+        return log_q.exp().sub_(p).mul_(grad_rows[:, None]), None
+
+
 def forward_kl(student_logits, teacher_logits, mask=None, temperature: float = 1.0) -> torch.Tensor:
     """KL(p || q), mean over masked positions (mass-covering; the classic KD loss)."""
-    logq = _log_probs(_select(student_logits, mask), temperature)
-    logp = _log_probs(_select(teacher_logits, mask), temperature)
-    return _mean(_kl(logp, logq))
+    student = _select(student_logits, mask).float()
+    teacher = _select(teacher_logits, mask).float()
+    if temperature != 1.0:
+        student, teacher = student / temperature, teacher / temperature
+    if teacher.requires_grad:  # a teacher that learns as well: autograd's graph gives it its gradient
+        return _mean(_kl(F.log_softmax(teacher, dim=-1), F.log_softmax(student, dim=-1)))
+    return _mean(_ForwardKL.apply(student, teacher))
 
 
 def reverse_kl(student_logits, teacher_logits, mask=None, temperature: float = 1.0) -> torch.Tensor:
@@ -209,7 +239,10 @@ def target_to_draft_map(draft_to_target: torch.Tensor | None, target_vocab: int)
 def with_teacher_mass(student: torch.Tensor, teacher: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Drop the rows whose teacher has no id in the draft's vocabulary (a reduced head missing all of the
     stored top-n): their renormalised teacher is undefined and would make the loss nan.  [N, V] x2"""
-    keep = torch.isfinite(teacher).any(dim=-1)
+    # One pass over the rows' maxima (isfinite would write two [N, V] temporaries); a row holding nan keeps it.
+    keep = teacher.amax(dim=-1) != float("-inf")
+    if bool(keep.all()):  # every row (always, for an online teacher): no [N, V] copies
+        return student, teacher
     return student[keep], teacher[keep]
 
 

@@ -18,6 +18,9 @@ inputs (alive anyway) and backward recomputes one chunk's scores at a time. Memo
 plus one chunk's O(C n) block in flight, instead of O(n^2) per step. It is FlashAttention's recompute-in-backward
 without its online softmax: a chunk holds whole rows, so a plain softmax stays exact.
 
+Step 1 over right-padded rows without documents is plain causal attention at every real query; there (and only
+there) torch's fused kernel computes it instead, which keeps O(n) for backward as well.
+
 GQA: a key head's rep = heads / kv_heads query heads are scored against it in one matmul, so keys and values are
 never repeated. A query with no allowed key (step 1, a row with no real token, or a padding position whose
 document holds no real key) gets uniform weights over its chunk's keys (the dense computation spread them over
@@ -52,8 +55,15 @@ def unrolled_attention(q: torch.Tensor, first_keys: torch.Tensor, first_values: 
     q: [B, heads, n, d]; first_keys, first_values: step 1's, [B, kv_heads, n, d], rotary applied;
     diagonal_keys, diagonal_values: steps 2..j's, in step order, each [B, kv_heads, n, d] at its own position
     (not shifted); valid: [B, n] bool, real tokens; document_ids: [B, n] (keys only of the query's document) or None;
-    chunk: queries per chunk (None: `chunk_size`)."""
+    chunk: queries per chunk (None: `chunk_size`, or torch's fused causal kernel where step 1 over right-padded
+    rows allows it; a given chunk always takes the chunked computation)."""
     assert len(diagonal_keys) == len(diagonal_values) and q.shape[1] % first_keys.shape[1] == 0
+    if chunk is None and not diagonal_keys and document_ids is None and _right_padded(valid):
+        # Step 1 over right-padded rows is causal attention: a real query's keys at or before it are all real.
+        # torch's fused kernel (flash attention on a CPU, O(n) kept for backward as here) computes it without the
+        # [C, n] blocks (docs/results/2026-12-07-attention-step-one.md). Padding queries then read padding keys
+        # too, where the dense mask lets them read only real ones: outputs no loss or later step reads.
+        return F.scaled_dot_product_attention(q, first_keys, first_values, is_causal=True, enable_gqa=True)
     # Copies: backward recomputes each chunk from these arguments, after the caller may have grown its lists.
     diagonal_keys, diagonal_values = tuple(diagonal_keys), tuple(diagonal_values)
     b, heads, n, _ = q.shape
@@ -100,6 +110,12 @@ def _chunk(q, first_keys, first_values, diagonal_keys, diagonal_values, valid, d
     for m, value in enumerate(values):
         out = out + weights[..., reach + m : reach + m + 1] * value[:, :, None]
     return out.reshape(b, heads, c, d)
+
+
+def _right_padded(valid: torch.Tensor) -> bool:
+    """Whether every row of `valid` [B, n] is its real tokens first, then padding only."""
+    prefix = torch.arange(valid.shape[1], device=valid.device)[None] < valid.sum(dim=1, keepdim=True)
+    return torch.equal(valid, prefix)
 
 
 def _first_allowed(valid, document_ids, start: int, stop: int, reach: int, lag: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ from specdec.dflash.replay import ANCHORS_PER_FORWARD
 from specdec.eagle3 import check_layer_ids
 from specdec.train.eagle3_train import LOSS_CHUNK_VALUES
 from specdec.train.kinds.eagle3_plan import states_online, teacher_and_states_terms
-from specdec.train.plan.activations import target_forward_bytes
+from specdec.train.plan.activations import loss_row_bytes, target_forward_bytes
 from specdec.train.plan.kind import KindPlan, PlanContext
 from specdec.train.plan.report import Term
 from specdec.train.plan.target import Widths, on_meta, text_config
@@ -32,7 +32,7 @@ def dflash_plan(ctx: PlanContext) -> KindPlan:
                              f"slice_tokens (now {cfg.slice_tokens})")
     rows = ctx.forward_rows  # what one forward and backward holds (slice_tokens)
     acts = dflash_activations(rows, s, opts.num_anchors, opts.block_size, opts.dflash_layers, dw, len(ids),
-                              ctx.draft_vocab, ctx.half)
+                              ctx.draft_vocab, ctx.half, cfg.loss)
     plan = KindPlan(model, fix, _heldout_bytes(ctx, dw, len(ids), online), frozen_note=": the target's "
                     "embedding table and head rows", target_why="loaded whole where its states are computed "
                     "online (recorded states: its embedding, norm and head only)")
@@ -44,7 +44,7 @@ def dflash_plan(ctx: PlanContext) -> KindPlan:
 
 
 def dflash_activations(batch: int, length: int, anchors: int, block: int, layers: int, w: Widths, aux: int,
-                       draft_vocab: int, half: bool) -> int:
+                       draft_vocab: int, half: bool, loss: str = "fkl") -> int:
     """Peak bytes of one micro-batch's forward and backward (`dflash_train.dflash_loss`), an upper bound.
 
     Q = batch x min(anchors, length) x block query slots, C = batch x length context positions. Autograd keeps,
@@ -56,8 +56,8 @@ def dflash_activations(batch: int, length: int, anchors: int, block: int, layers
     all; a memory-efficient kernel's float32 output and log-sum-exp per head; its keys and values repeated to
     every head (2 Q_heads each): kept by every layer when one call attends every slot, one group's at a time
     (with their gradients) when the slots attend in groups (`attention_group`, recomputed in backward); the
-    loss's chunked logits (2^24 values, 41 bytes each at a divergence's peak) and the scored rows' inputs
-    (4 H + 4 H_target each)."""
+    loss's chunked logits (2^24 values at the loss's peak bytes each, train/plan/activations.py `loss_row_bytes`)
+    and the scored rows' inputs (4 H + 4 H_target each)."""
     act = 2 if half else 4
     row_anchors = min(anchors, length)
     row_slots = row_anchors * block
@@ -69,7 +69,8 @@ def dflash_activations(batch: int, length: int, anchors: int, block: int, layers
     repeated = batch * 2 * w.q * act  # a key and a value per head, per key position
     attention = batch * w.heads * row_slots * 8 + repeated * (
         layers * (length + row_slots) if group == row_slots else 2 * (length + group))
-    loss = slots * 8 * w.hidden + 41 * min(slots, LOSS_CHUNK_VALUES // draft_vocab + 1) * draft_vocab
+    logits = loss_row_bytes(loss)[0] * min(slots, LOSS_CHUNK_VALUES // draft_vocab + 1) * draft_vocab
+    loss = slots * 8 * w.hidden + logits
     return slots * per_slot + context * per_context + mask + attention + loss
 
 

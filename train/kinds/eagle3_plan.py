@@ -17,7 +17,7 @@ from specdec.eagle3.attention import chunk_size
 from specdec.train.batches import data_folders
 from specdec.train.eagle3_states import recorded_layer_ids
 from specdec.train.eagle3_train import LOSS_CHUNK_VALUES
-from specdec.train.plan.activations import target_forward_bytes
+from specdec.train.plan.activations import loss_row_bytes, target_forward_bytes
 from specdec.train.plan.kind import KindPlan, PlanContext
 from specdec.train.plan.report import Term, gib
 from specdec.train.plan.target import Widths, on_meta, text_config
@@ -38,7 +38,7 @@ def eagle3_plan(ctx: PlanContext) -> KindPlan:
     fix = ctx.activation_fix(f", ttt_steps (now {opts.ttt_steps}) or slice_tokens (now {cfg.slice_tokens})")
     rows = ctx.forward_rows  # what one forward and backward holds (slice_tokens)
     acts = eagle3_activations(rows, s, opts.ttt_steps, dw, ctx.draft_vocab, aux, ctx.half, cfg.teacher, cfg.loss,
-                              ctx.top_n)
+                              ctx.top_n, packed=cfg.pack)
     plan = KindPlan(model, fix, _heldout_bytes(ctx, dw, aux, online), frozen_note=": the target's embedding table",
                     target_why="loaded whole where its states are computed online (recorded states: its "
                     "embedding, norm and head only)")
@@ -114,7 +114,8 @@ def _states_on_disk(ctx: PlanContext, plan: KindPlan, aux: int, online: bool) ->
 
 
 def eagle3_activations(batch: int, length: int, steps: int, w: Widths, draft_vocab: int, aux_layers: int,
-                       half: bool, teacher: str, loss: str = "fkl", top_n: int = 0) -> dict[str, int]:
+                       half: bool, teacher: str, loss: str = "fkl", top_n: int = 0,
+                       packed: bool = False) -> dict[str, int]:
     """Peak bytes of one EAGLE-3 micro-batch's forward and backward (`eagle3_train.eagle3_loss` through the
     prepared draft), beyond its inputs and the parameters' gradients.  -> {kept, loss, forward, backward, peak}
 
@@ -134,16 +135,18 @@ def eagle3_activations(batch: int, length: int, steps: int, w: Widths, draft_voc
 
     once per position: fc's input (the aux states, a contiguous copy / a half cast) and the rotary tables.
     The loss (`LOSS_CHUNK_VALUES`): each step scores its positions in chunks of R = 2^24 / draft_vocab rows. When a
-    step fits one chunk, each step keeps its norm chain (12 H, half 10 H) and 9 V bytes per row (forward KL:
-    log q, p, the where mask), and the last step's chunk peaks at 41 V (student and teacher logits, their kept
-    rows, log q, log p, p, the mask, log p - log q, zeros, the where; cross-entropy alone: 4 V kept, 12 V at
-    the peak); beyond one chunk, each step keeps only its chunks' inputs (the output rows, the teacher's input
-    rows or stored top-n) and one chunk at a time peaks at 41 V per row, in the forward and again when backward
-    recomputes it. The backward of the last step's MLP adds three [I] float32 gradients.
-    The attention (specdec/eagle3/attention.py) scores C queries at a time against up to n keys in float32: its
-    backward holds four such [B, heads, C, n] blocks (the recomputed softmax, two zero-padded slice gradients, a
-    bmm's gradient; under half autocast three float32 ones: the softmax, its gradient cast back to float32 and
-    softmax's backward), while the step's MLP part is already freed and each step's output gradient [P, H] waits.
+    step fits one chunk, each step keeps its norm chain (12 H, half 10 H) and the loss's kept bytes per row and
+    vocabulary value (train/plan/activations.py `loss_row_bytes`: forward KL 8 V, log q and p), and the last
+    step's chunk peaks at the loss's peak (forward KL 29 V); beyond one chunk, each step keeps only its chunks'
+    inputs (the output rows, the teacher's input rows or stored top-n) and one chunk at a time peaks at the loss's
+    peak, in the forward and again when backward recomputes it. The backward of the last step's MLP adds three [I]
+    float32 gradients.
+    The attention (specdec/eagle3/attention.py) scores C queries at a time against up to n keys in float32 for
+    steps 2 on, and for step 1 of packed rows: its backward holds four such [B, heads, C, n] blocks (the
+    recomputed softmax, two zero-padded slice gradients, a bmm's gradient; under half autocast three float32 ones:
+    the softmax, its gradient cast back to float32 and softmax's backward), while the step's MLP part is already
+    freed and each step's output gradient [P, H] waits. Step 1 of unpacked rows runs torch's fused causal kernel,
+    which holds no such block.
     """
 
     hid, q, k, inter = w.hidden, w.q, w.kv, w.intermediate
@@ -160,7 +163,8 @@ def eagle3_activations(batch: int, length: int, steps: int, w: Widths, draft_voc
         backward_loss += kept  # backward recomputes a chunk with everything still kept
     forward = kept + loss_kept + loss_peak
     heads_chunk = chunk_size(batch, w.heads, n)
-    attention = (12 if half else 16) * batch * w.heads * min(heads_chunk, n) * n
+    chunked = steps > 1 or packed  # step 1 alone over unpacked rows: the fused kernel, no [C, n] blocks
+    attention = (12 if half else 16) * batch * w.heads * min(heads_chunk, n) * n if chunked else 0
     backward_attention = kept - positions * after_attention + steps * positions * 4 * hid + attention
     backward_mlp = kept + steps * positions * 4 * hid + 3 * positions * inter * 4
     backward = max(backward_loss, backward_attention, backward_mlp)
@@ -172,9 +176,8 @@ def _eagle3_loss_bytes(positions: int, steps: int, hid: int, v: int, half: bool,
                        top_n: int) -> tuple[int, int, int]:
     """The unrolled loss's bytes (`eagle3_activations`' docstring): (kept across steps, the forward's peak above
     them, the backward's recomputed chunk above what the steps keep: 0 when each step fits one chunk)."""
-    divergence = loss != "ce"
-    logit_bytes = (41 if divergence else 12) * v  # the loss's peak per row in [rows, V] float32 blocks
-    logit_kept = (9 if divergence else 4) * v
+    peak, kept = loss_row_bytes(loss)
+    logit_bytes, logit_kept = peak * v, kept * v  # per row, in [rows, V] float32 blocks
     teacher_in = 4 * hid if teacher == "online" else 12 * top_n if teacher == "offline" else 0
     norm = (10 if half else 12) * hid
     rows = max(1, LOSS_CHUNK_VALUES // v)
