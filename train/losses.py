@@ -89,7 +89,7 @@ def forward_kl(student_logits, teacher_logits, mask=None, temperature: float = 1
     if temperature != 1.0:
         student, teacher = student / temperature, teacher / temperature
     if teacher.requires_grad:  # a teacher that learns as well: autograd's graph gives it its gradient
-        return _mean(_kl(F.log_softmax(teacher, dim=-1), F.log_softmax(student, dim=-1)))
+        return _mean(_kl(_log_probs(teacher), _log_probs(student)))
     return _mean(_ForwardKL.apply(student, teacher))
 
 

@@ -166,9 +166,10 @@ def _results(report: dict | None) -> list[str]:
     env = _get(report, "environment") or {}
     env_text = ", ".join(f"{key} {env[key]}" for key in ("device", "threads", "python", "torch", "transformers")
                          if key in env) or "not reported"
+    tree = _get(report, "config.tree")  # a tree's row: its shape and depth where a chain's has k
     rows = [
         (("acceptance rate (accepted tokens per tree level: higher than its chain's with the same draft)"
-          if _get(report, "config.tree") else "acceptance rate (accepted / proposed draft tokens)"),
+          if tree else "acceptance rate (accepted / proposed draft tokens)"),
          _fmt(_get(report, "speculative.acceptance_rate"), ".3f")),
         *_interval_row(report, "acceptance rate", "acceptance_rate", ".3f"),
         ("mean accepted tokens per round (incl. correction/bonus)",
@@ -177,8 +178,8 @@ def _results(report: dict | None) -> list[str]:
         ("speedup (baseline time / speculative time)", _fmt(_get(report, "speedup"), ".2f", "x")),
         *_interval_row(report, "speedup", "speedup", ".2f", "x"),
         *([("draft tree (specdec's decoder; engines run the draft as a chain of its depth)",
-            f"{_get(report, 'config.tree')} (depth {_fmt(_get(report, 'config.tree_depth'), 'd')})")]
-          if _get(report, "config.tree") else
+            f"{tree} (depth {_fmt(_get(report, 'config.tree_depth'), 'd')})")]
+          if tree else
           [("k (draft tokens per round)", _fmt(_get(report, "config.num_draft_tokens"), "d"))]),
         ("target-only tokens/s", _fmt(_get(report, "baseline.tokens_per_s"), ".1f")),
         ("speculative tokens/s", _fmt(_get(report, "speculative.tokens_per_s"), ".1f")),
