@@ -22,6 +22,7 @@ from specdec.eagle3 import Eagle3Draft, Eagle3Drafter, HiddenStateRecorder, defa
 from specdec.eagle3.drafter import _HiddenWindow
 from specdec.eval import proposals
 from specdec.models import load_model
+from specdec.ranks import RANK_CAP, true_token_ranks
 from specdec.replay import replay_ranks, runs_from_ranks, target_states
 
 VOCAB = 128
@@ -261,6 +262,39 @@ def test_replayed_ranks_predict_the_tree_decoders_rounds(target4, good_draft):
         length += r.advanced
     chain = runs_from_ranks(ranks, [1] * len(widths))[0]
     assert sum(runs) > sum(chain)  # the wider first levels find tokens the chain misses
+
+
+def test_held_out_ranks_are_each_rows_own_and_the_full_heads(target4, good_draft):
+    """The held-out evaluation batches rows of like length (train/distill.py) and runs the head only where a rank
+    is read (specdec/eagle3/replay.py): a row's ranks are those it gets alone, however much padding its batch
+    adds, and those of the head over every position (the reference below)."""
+    prompts = FITTED_PROMPTS()[:2]
+    rows = [target_generate(target4, prompts[i:i + 1], max_new_tokens=n).sequences[0] for i, n in ((0, 30), (1, 12))]
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(2, width, dtype=torch.long)
+    mask = torch.zeros(2, width, dtype=torch.long)
+    loss_mask = torch.zeros(2, width, dtype=torch.bool)
+    for b, r in enumerate(rows):
+        ids[b, :len(r)], mask[b, :len(r)] = r, 1
+        loss_mask[b, prompts.shape[1] - 1: len(r) - 1] = True
+    steps = 3
+    batched = replay_ranks(good_draft, ids, mask, loss_mask, steps, target_states(good_draft, target4, ids, mask))
+    for b, r in enumerate(rows):
+        one = slice(b, b + 1), slice(0, len(r))
+        alone = replay_ranks(good_draft, ids[one], mask[one], loss_mask[one], steps,
+                             target_states(good_draft, target4, ids[one], mask[one]))
+        assert batched[b] == alone[0], f"row {b}"
+    # the reference: the head over every position, read where the round's token is a scored one
+    states = target_states(good_draft, target4, ids, mask)
+    outs = good_draft.unrolled(ids, states, mask, steps)
+    full = [true_token_ranks(good_draft.logits(o)[:, :-1], ids[:, 2:], good_draft.draft_to_target) for o in outs]
+    for b in range(2):
+        scored = [p for p in range(width) if loss_mask[b, p]]
+        for p, got in zip(scored, batched[b]):
+            want = [int(full[j - 1][b, p + j - 2]) if p + j - 2 >= 0 and p + j < width and loss_mask[b, p + j - 1]
+                    else RANK_CAP for j in range(1, steps + 1)]
+            assert got == want, f"row {b}, position {p}"
+    assert any(r < RANK_CAP for row in batched for position in row for r in position)
 
 
 def test_save_load_round_trip_is_exact(target4, tmp_path):

@@ -119,7 +119,10 @@ class Distiller:
         self.tokenizer = load_tokenizer(cfg.target)
         tok = self.tokenizer
         self.pad_id = tokenizer_pad_id(tok)
-        self.heldout = [heldout_ds[i] for i in range(min(cfg.eval_samples, len(heldout_ds)))]
+        # Scored eval_batch_size rows at a time, rows of like length together: a chunk is then not padded to the
+        # length of one long row among short ones. The figures pool every scored position, so order leaves them be.
+        self.heldout = sorted((heldout_ds[i] for i in range(min(cfg.eval_samples, len(heldout_ds)))),
+                              key=lambda row: len(row["input_ids"]))
         lengths = row_lengths(self.train_ds, cfg.max_length)
         self.schedule = Schedule(lengths, cfg.per_device_batch_size * self.world, cfg.seed, cfg.bucket_by_length)
 

@@ -148,9 +148,11 @@ def evaluate_part(draft, states, chunks, ks: Sequence[int], temperatures: Sequen
     alphas_at: dict[str, list] = {temperature_key(t): [] for t in temperatures}
     for rows, batch in chunks:
         full = states.complete(batch, states.read(rows, batch["input_ids"].shape[1]))[..., hidden:]
-        ranks += unrolled_ranks(draft, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], max(ks), full)
+        outs = draft.unrolled(batch["input_ids"], full, batch["attention_mask"], max(ks))
+        ranks += unrolled_ranks(draft, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], max(ks), full,
+                                outs)
         if "top_ids" in batch:
-            first = draft.unrolled(batch["input_ids"], full, batch["attention_mask"], 1)[0]
+            first = outs[0]  # step 1: the rounds' first proposals
             mask = batch["loss_mask"][:, 1:].bool()
             prenorm, top_ids, top_lp = first[mask], batch["top_ids"][:, 1:][mask], batch["top_logprobs"][:, 1:][mask]
             chunk = loss_chunk_rows(draft.config.draft_vocab_size)  # [chunk, vocabulary] at a time
