@@ -19,7 +19,7 @@ def unrolled_ranks(draft, input_ids, attention_mask, loss_mask, steps: int, stat
         outs = draft.unrolled(input_ids, states, attention_mask, steps)
     # Step j's output at draft position t proposes token t + 2 (t + 2 - j is the round's last true position), and
     # is read below only where token t + 2 is a scored one (position t + 1 scored): the head runs there alone, not
-    # over prompts and padding, which made it most of a held-out evaluation's time.
+    # over prompts and padding (docs/results/2026-12-07-heldout-eval.md).
     read = loss_mask[:, 1:-1].bool()  # [B, n - 1]
     tokens = input_ids[:, 2:][read]
     ranks = torch.full((steps, *read.shape), RANK_CAP, dtype=torch.long, device=input_ids.device)
