@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 import results  # bench/results.py (this script runs with bench/ on its path)
-from checkouts import run_child
+from checkouts import last_figure, run_child
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,9 +59,8 @@ print(f"SECONDS {statistics.median(seconds)}")
 def evaluate(tree: Path, settings: dict) -> tuple[float, dict]:
     with tempfile.TemporaryDirectory() as out:
         stdout = run_child(tree, CHILD, {**settings, "out": out})
-    lines = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in stdout.splitlines()
-             if line.startswith(("FIGURES ", "SECONDS "))}
-    return float(lines["SECONDS"]), json.loads(lines["FIGURES"])
+    figures = [line.split(" ", 1)[1] for line in stdout.splitlines() if line.startswith("FIGURES ")][-1]
+    return last_figure(stdout, "SECONDS"), json.loads(figures)
 
 
 def same_figures(a: dict, b: dict, k: list[str]) -> bool:

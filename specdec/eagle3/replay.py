@@ -25,16 +25,10 @@ def unrolled_ranks(draft, input_ids, attention_mask, loss_mask, steps: int, stat
     ranks = torch.full((steps, *read.shape), RANK_CAP, dtype=torch.long, device=input_ids.device)
     for j, o in enumerate(outs[:steps]):
         ranks[j][read] = true_token_ranks(draft.logits(o[:, :-1][read]), tokens, draft.draft_to_target)
-    ranks = ranks.tolist()  # [j][B][n - 1]
+    ranks = ranks.tolist()  # [j][B][n - 1]: RANK_CAP where unread (token t + 2 past the completion or unscored)
     out = []
     for b, scored in enumerate(loss_mask.tolist()):
-        row = []
-        for p in (p for p, s in enumerate(scored) if s):
-            position = []
-            for j in range(1, steps + 1):  # the round's j-th proposal is token p + j, at draft position p + j - 2
-                t, token = p + j - 2, p + j
-                inside = t >= 0 and token < len(scored) and scored[token - 1]
-                position.append(ranks[j - 1][b][t] if inside else RANK_CAP)
-            row.append(position)
-        out.append(row)
+        # the round's j-th proposal is token p + j, at draft position t = p + j - 2
+        out.append([[ranks[j - 1][b][p + j - 2] if 0 <= p + j - 2 < len(scored) - 2 else RANK_CAP
+                     for j in range(1, steps + 1)] for p, s in enumerate(scored) if s])
     return out
