@@ -11,9 +11,9 @@ the shapes), a fixed list of micro-batches of 16 samples whose lengths follow th
 40-230 tokens, then up to 96 completion tokens; seeded), and times `--steps` optimizer steps (loss, backward,
 AdamW) after one warm-up step, with the tree's own loss and collation. It prints the positions trained per second
 (the completions', or with `--supervise-prompt` every position's). With `--data` each child runs the whole trainer
-instead (`specdec train`, the recipe's settings) on that recorded folder and prints the trainer's own pace. Rounds
-alternate the children's order, so a machine that drifts slows each alike; the figures are medians over rounds,
-with each round's after / before ratio.
+instead (`specdec train`, the recipe's settings) on that recorded folder and prints the trainer's own pace:
+trained tokens/s and samples/s. Rounds alternate the children's order, so a machine that drifts slows each alike;
+the figures are medians over rounds, with each round's after / before ratio.
 """
 
 from __future__ import annotations
@@ -88,14 +88,21 @@ out = tempfile.mkdtemp(prefix="train-throughput-")
 main(["train", "--config", args["recipe"], "train_data=" + args["data"], "output_dir=" + out, "heldout_data=",
       f"max_steps={args['steps']}", "max_minutes=null", "eval_every=100000", "save_every=100000", "overwrite=true"])
 with open(out + "/train_summary.json") as f:
-    pace = json.load(f)["pace"]["tokens_per_second"]
+    pace = json.load(f)["pace"]
 shutil.rmtree(out, ignore_errors=True)  # its checkpoint and draft: nothing this bench reads again
-print("TOKENS_PER_S", pace)
+print("TOKENS_PER_S", pace["tokens_per_second"])
+print("SAMPLES_PER_S", pace["samples_per_second"])
 """
 
 
 def tokens_per_s(tree: Path, settings: dict) -> float:
-    return last_figure(run_child(tree, TRAINER_CHILD if settings.get("data") else CHILD, settings), "TOKENS_PER_S")
+    return last_figure(run_child(tree, CHILD, settings), "TOKENS_PER_S")
+
+
+def trainer_pace(tree: Path, settings: dict) -> tuple[float, float]:
+    """(trained tokens/s, samples/s) of the whole trainer's timed steps."""
+    out = run_child(tree, TRAINER_CHILD, settings)
+    return last_figure(out, "TOKENS_PER_S"), last_figure(out, "SAMPLES_PER_S")
 
 
 def main() -> None:
@@ -111,6 +118,8 @@ def main() -> None:
     parser.add_argument("--data", default="", help="a recorded data folder: time the whole trainer on it instead "
                         "(the recipe's settings, --steps steps; synthetic batches otherwise)")
     parser.add_argument("--recipe", default="recipes/smollm2-135m-eagle3.yaml", help="with --data: the recipe")
+    parser.add_argument("--name", default="", help="docs/results/<date>-<name>.md (default train-throughput, "
+                        "train-throughput-real with --data)")
     args = parser.parse_args()
     if args.data:
         return trainer(args)
@@ -138,32 +147,37 @@ def main() -> None:
         f"({results.commit_of(args.before)}).", "", *rows, "",
         f"after / before per round: {', '.join(f'{x:.3f}' for x in ratios)}", ""])
     print(body)
-    print(f"written to {results.write('train-throughput', 'EAGLE-3 trained tokens per second, before and after', body)}")
+    print(f"written to {results.write(args.name or 'train-throughput', 'EAGLE-3 trained tokens per second, before and after', body)}")
 
 
 def trainer(args) -> None:
-    """Before and after, the whole trainer on a real data folder, in alternating order."""
+    """Before and after, the whole trainer on a real data folder, in alternating order: its trained tokens/s and
+    its samples/s (which tell apart where a change scores fewer positions per sample)."""
     settings = {"recipe": args.recipe, "data": str(Path(args.data).resolve()), "steps": args.steps}
     children = {"before": args.before.resolve(), "after": ROOT}
-    figures: dict[str, list[float]] = {name: [] for name in children}
     names = list(children)
+    figures: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
     for r in range(args.rounds):
         for name in names[r % 2:] + names[: r % 2]:
-            figures[name].append(tokens_per_s(children[name], settings))
-        print(f"round {r + 1}: " + ", ".join(f"{n} {figures[n][-1]:.0f}" for n in names), flush=True)
-    median = {n: statistics.median(v) for n, v in figures.items()}
-    ratios = [a / b for a, b in zip(figures["after"], figures["before"])]
-    rows = ["| code | trained tokens/s (median) | / before | per round |", "|---|---:|---:|---|"]
-    rows += [f"| {n} | {median[n]:.0f} | {median[n] / median['before']:.3f} | "
-             f"{', '.join(f'{x:.0f}' for x in figures[n])} |" for n in names]
+            figures[name].append(trainer_pace(children[name], settings))
+        print(f"round {r + 1}: " + ", ".join(f"{n} {figures[n][-1][0]:.0f} tokens/s, {figures[n][-1][1]:.2f} samples/s"
+                                           for n in names), flush=True)
+    rows = ["| code | trained tokens/s (median) | / before | samples/s (median) | / before | samples/s per round |",
+            "|---|---:|---:|---:|---:|---|"]
+    median = {n: [statistics.median(x[i] for x in figures[n]) for i in (0, 1)] for n in names}
+    rows += [f"| {n} | {median[n][0]:.0f} | {median[n][0] / median['before'][0]:.3f} | {median[n][1]:.2f} | "
+             f"{median[n][1] / median['before'][1]:.3f} | {', '.join(f'{x[1]:.2f}' for x in figures[n])} |"
+             for n in names]
+    ratios = [a[1] / b[1] for a, b in zip(figures["after"], figures["before"])]
     body = "\n".join([
         f"`specdec train` with {args.recipe}'s settings on {args.data} ({args.steps} steps a run, the trainer's own "
-        f"pace: trained tokens/s over its timed steps), one run per checkout a round, {args.rounds} rounds in "
-        f"alternating order. before = {args.before.name} ({results.commit_of(args.before)}).", "", *rows, "",
-        f"after / before per round: {', '.join(f'{x:.3f}' for x in ratios)}; median {statistics.median(ratios):.3f}",
-        ""])
+        f"pace over its timed steps: trained tokens/s, the positions its loss scores, and samples/s), one run per "
+        f"checkout a round, {args.rounds} rounds in alternating order. before = {args.before.name} "
+        f"({results.commit_of(args.before)}).", "", *rows, "",
+        f"samples/s after / before per round: {', '.join(f'{x:.3f}' for x in ratios)}; median "
+        f"{statistics.median(ratios):.3f}", ""])
     print(body)
-    print(f"written to {results.write('train-throughput-real', 'specdec train, trained tokens per second, before and after', body)}")
+    print(f"written to {results.write(args.name or 'train-throughput-real', 'specdec train, trained tokens and samples per second, before and after', body)}")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,51 @@ def test_collate_scores_every_position_of_the_sample_with_prompt_positions():
     assert everything["n_tokens"] - completions["n_tokens"] == (4 - 1) + (2 - 1)
 
 
+def scored_predictions(batch, rows, prompt_only: bool = False) -> list[tuple]:
+    """Each scored position (or only those that predict a prompt token) as what it is trained on: the tokens it
+    reads and the token it predicts."""
+    return [tuple(ids[:t + 2]) for b, ids in enumerate(rows["input_ids"])
+            for t in range(rows["prompt_length"][b] - 1 if prompt_only else len(ids) - 1) if batch["loss_mask"][b, t]]
+
+
+def test_prompt_positions_are_scored_once_whichever_rows_repeat_them():
+    """A shared opening (a system prompt), a prompt's second answer and a conversation's second turn repeat
+    prompt positions of earlier rows: with their shared prefixes each of those predictions is scored in exactly
+    one row, none is lost, and every row's completion is scored as before."""
+    import datasets
+
+    opening, ask, other = [1, 2, 3], [40, 41, 42], [50, 51]
+    first = opening + ask + [7, 8, 9]                 # prompt A, first answer
+    rows = {"prompt_id": ["A", "A", "A", "B", "A"],
+            "sample_index": [0, 1, 0, 0, 1],
+            "turn": [0, 0, 1, 0, 1],
+            "prompt_length": [6, 6, 11, 5, 11],
+            "input_ids": [first,
+                          opening + ask + [7, 5],      # A's second answer: the same prompt, another completion
+                          first + [60, 61] + [8, 8],    # A's second turn: the first turn's row, a new ask, an answer
+                          opening + other + [9, 9, 9],  # prompt B: only the opening is shared
+                          opening + ask + [7, 5] + [60, 61] + [6]]}  # the second answer's second turn
+    shared = batches.shared_prefixes(datasets.Dataset.from_dict(rows), max_length=64)
+    assert shared.tolist() == [0, 6, 9, 3, 8]
+    plain = batches.collate(rows, pad_id=0, max_length=64, prompt_positions=True)
+    once = batches.collate(rows, pad_id=0, max_length=64, prompt_positions=True, shared=shared.tolist())
+    everything, kept = scored_predictions(plain, rows), scored_predictions(once, rows)
+    assert set(kept) == set(everything)  # none lost
+    repeated = [p for p in scored_predictions(plain, rows, prompt_only=True) if everything.count(p) > 1]
+    assert repeated  # without them, rows score each other's prompt positions again
+    assert all(kept.count(p) == 1 for p in scored_predictions(once, rows, prompt_only=True))  # with them, once
+    # rows in another order (a second answer first): still each once, none lost
+    order = [1, 4, 2, 0, 3]
+    moved = {key: [column[i] for i in order] for key, column in rows.items()}
+    moved_shared = batches.shared_prefixes(datasets.Dataset.from_dict(moved), max_length=64).tolist()
+    moved_once = batches.collate(moved, 0, 64, prompt_positions=True, shared=moved_shared)
+    kept = scored_predictions(moved_once, moved)
+    assert set(kept) == set(everything)
+    assert all(kept.count(p) == 1 for p in scored_predictions(moved_once, moved, prompt_only=True))
+    completions = batches.collate(rows, pad_id=0, max_length=64)["loss_mask"]
+    assert (once["loss_mask"] & completions).equal(completions)
+
+
 @pytest.mark.parametrize(("changes", "message"), [
     ({"teacher": "offline"}, "teacher=offline lacks"),
     ({"teacher": "on_policy"}, "teacher=on_policy"),
@@ -52,8 +97,8 @@ def test_eagle3_trains_on_prompt_positions_and_scores_held_out_completions_only(
     scored = []
     collate = batches.collate
 
-    def counting_collate(rows, pad_id, max_length, prompt_positions=False, multiple=1):
-        out = collate(rows, pad_id, max_length, prompt_positions, multiple)
+    def counting_collate(rows, pad_id, max_length, prompt_positions=False, multiple=1, shared=None):
+        out = collate(rows, pad_id, max_length, prompt_positions, multiple, shared)
         scored.append((prompt_positions, out["n_tokens"]))
         return out
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import datasets
+import numpy as np
 import pyarrow.compute as pc
 import torch
 
@@ -31,6 +32,53 @@ def row_lengths(dataset, max_length: int) -> list[int]:
     for part in dataset.select_columns(["input_ids"]).with_format("arrow").iter(batch_size=65_536):
         lengths += pc.min_element_wise(pc.list_value_length(part["input_ids"]), max_length).to_pylist()
     return lengths
+
+
+# Rows whose token lists `shared_prefixes` reads at a time: its memory follows this, not the folder.
+PREFIX_CHUNK_ROWS = 1024
+
+
+def _common_length(a, b) -> int:
+    """How many first tokens two token lists share."""
+    n = min(len(a), len(b))
+    differ = (np.asarray(a[:n]) != np.asarray(b[:n])).nonzero()[0]
+    return int(differ[0]) if len(differ) else n
+
+
+def shared_prefixes(dataset, max_length: int) -> np.ndarray:
+    """Per row, how many of its first tokens (at most its prompt's) an earlier row of the data already holds, so
+    that scoring their positions again would repeat that row's loss: a prompt's positions are the target's states
+    on the same tokens, whichever row holds them. The earlier row is the same prompt's first answer for a later
+    answer (sample_index > 0), the turn before's row for a later turn (its prompt holds the earlier turns), and
+    for every row but one the opening that all rows share (a chat template's system prompt, scored in each row
+    otherwise). `collate` starts a row's prompt positions after them (`supervise_prompt`). Token lists are
+    read PREFIX_CHUNK_ROWS rows at a time: memory follows the number of rows, not of tokens.  -> int32 [rows]"""
+    earlier = {}
+    if {"prompt_id", "sample_index", "turn"} <= set(dataset.column_names):  # a `specdec data` folder's rows
+        keys = dataset.select_columns(["prompt_id", "sample_index", "turn"]).to_dict()
+        key_rows = list(zip(keys["prompt_id"], keys["sample_index"], keys["turn"]))
+        index = {key: i for i, key in enumerate(key_rows)}
+        for i, (p, s, t) in enumerate(key_rows):
+            source = index.get((p, s, t - 1)) if t > 0 else index.get((p, 0, 0)) if s > 0 else None
+            if source is not None and source != i:
+                earlier[i] = source
+    shared = np.zeros(len(dataset), dtype=np.int32)
+    tokens = dataset.select_columns(["input_ids"])
+    opening = None  # the longest opening every row shares: only that many first tokens of each row are read
+    for part in tokens.with_format("arrow").iter(batch_size=PREFIX_CHUNK_ROWS):
+        for ids in pc.list_slice(part["input_ids"], 0, max_length if opening is None else len(opening)).to_pylist():
+            opening = ids if opening is None else opening[:_common_length(opening, ids)]
+    pairs = sorted(earlier.items())
+    for start in range(0, len(pairs), PREFIX_CHUNK_ROWS // 2):
+        chunk = pairs[start:start + PREFIX_CHUNK_ROWS // 2]
+        ids = tokens[[i for pair in chunk for i in pair]]["input_ids"]
+        for k, (i, _) in enumerate(chunk):
+            shared[i] = _common_length(ids[2 * k][:max_length], ids[2 * k + 1][:max_length])
+    if len(dataset) > 1 and opening:  # scored in one row that repeats no other (one always does: sources go back)
+        owner = next(i for i in range(len(dataset)) if i not in earlier)
+        shared = np.maximum(shared, len(opening))
+        shared[owner] = 0
+    return np.minimum(shared, np.asarray(dataset["prompt_length"], dtype=np.int32))
 
 
 def _in_heldout(prompt_id: str, fraction: float) -> bool:
@@ -126,15 +174,17 @@ class MicroBatches(torch.utils.data.Dataset):
     collate (and read recorded target states) ahead of the step while the order stays the schedule's."""
 
     def __init__(self, dataset, schedule: Schedule, rank: int, per_device: int, pad_id: int, max_length: int,
-                 read_ahead=None, packed: bool = False, prompt_positions: bool = False, multiple: int = 1):
+                 read_ahead=None, packed: bool = False, prompt_positions: bool = False, multiple: int = 1,
+                 shared=None):
         self.dataset, self.schedule, self.rank, self.per_device = dataset, schedule, rank, per_device
         self.pad_id, self.max_length, self.read_ahead, self.packed = pad_id, max_length, read_ahead, packed
-        self.prompt_positions, self.multiple = prompt_positions, multiple
+        self.prompt_positions, self.multiple, self.shared = prompt_positions, multiple, shared
 
     def __getitem__(self, m: int):
         indices = self.schedule(m)[self.rank * self.per_device:(self.rank + 1) * self.per_device]
         rows = self.dataset[indices]
-        batch = collate(rows, self.pad_id, self.max_length, self.prompt_positions, self.multiple)
+        shared = [int(self.shared[i]) for i in indices] if self.shared is not None else None
+        batch = collate(rows, self.pad_id, self.max_length, self.prompt_positions, self.multiple, shared)
         if self.packed:
             batch = pack(batch, self.max_length, self.multiple)
         ahead = self.read_ahead(rows, batch) if self.read_ahead is not None else None
@@ -169,10 +219,11 @@ def padded_width(longest: int, max_length: int, multiple: int) -> int:
 
 
 def collate(rows: dict, pad_id: int, max_length: int, prompt_positions: bool = False,
-            multiple: int = 1) -> dict[str, Any]:
+            multiple: int = 1, shared: list[int] | None = None) -> dict[str, Any]:
     """Right-padded tensors, `multiple` positions at a time (`padded_width`); `loss_mask[b, t]` marks logits
     positions t that predict a completion token, and with `prompt_positions` every position that predicts a token
-    of the sample (its prompt's too: a teacher that reads the target's distribution there, `supervise_prompt`)."""
+    of the sample (its prompt's too: a teacher that reads the target's distribution there, `supervise_prompt`)
+    after the first `shared[b]` tokens (`shared_prefixes`: another row scores those)."""
     seqs = [list(ids)[:max_length] for ids in rows["input_ids"]]
     batch, width = len(seqs), padded_width(max(len(s) for s in seqs), max_length, multiple)
     input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
@@ -194,7 +245,8 @@ def collate(rows: dict, pad_id: int, max_length: int, prompt_positions: bool = F
             if comp:
                 top_ids[b, prompt - 1: prompt - 1 + len(comp)] = torch.tensor(comp)
                 top_logprobs[b, prompt - 1: prompt - 1 + len(comp)] = torch.tensor(rows["top_logprobs"][b][: len(comp)])
-        loss_mask[b, 0 if prompt_positions else prompt - 1: stop] = True
+        first = (max(min(shared[b], prompt) - 1, 0) if shared is not None else 0) if prompt_positions else prompt - 1
+        loss_mask[b, first: stop] = True
     labels = torch.roll(input_ids, -1, dims=1)  # labels[:, t] = input_ids[:, t + 1]
     out = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask, "labels": labels,
            "n_tokens": int(loss_mask.sum())}

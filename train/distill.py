@@ -50,6 +50,7 @@ from specdec.train.batches import (
     data_folders,
     load_data,
     row_lengths,
+    shared_prefixes,
     to_device,
 )
 from specdec.train.budget import TimeBudget
@@ -124,6 +125,12 @@ class Distiller:
         self.heldout = sorted((heldout_ds[i] for i in range(min(cfg.eval_samples, len(heldout_ds)))),
                               key=lambda row: len(row["input_ids"]))
         lengths = row_lengths(self.train_ds, cfg.max_length)
+        self.shared = None
+        if cfg.supervise_prompt:  # positions another row scores already are left to it
+            self.shared = shared_prefixes(self.train_ds, cfg.max_length)
+            log.info("prompt positions: %d of the rows' %d repeat an earlier row's (the opening all rows share, a "
+                     "later answer's prompt, a later turn's earlier turns) and are scored in that row only",
+                     int((self.shared.astype("int64") - 1).clip(min=0).sum()), sum(lengths))
         self.schedule = Schedule(lengths, cfg.per_device_batch_size * self.world, cfg.seed, cfg.bucket_by_length)
 
     def draft_vocabulary(self, vocab_size: int, size: int) -> torch.Tensor:
@@ -259,7 +266,8 @@ class Distiller:
         loader processes while the steps run."""
         cfg = self.cfg
         data = MicroBatches(self.train_ds, self.schedule, self.rank, cfg.per_device_batch_size, self.pad_id,
-                            cfg.max_length, self.kind.prefetch, cfg.pack, cfg.supervise_prompt, cfg.pad_to_multiple_of)
+                            cfg.max_length, self.kind.prefetch, cfg.pack, cfg.supervise_prompt, cfg.pad_to_multiple_of,
+                            self.shared)
         workers = cfg.data_workers
         loader = torch.utils.data.DataLoader(data, batch_size=None, sampler=CountFrom(self.start_step * cfg.grad_accum_steps),
                                              collate_fn=as_is, num_workers=workers,
