@@ -74,7 +74,9 @@ def shared_prefixes(dataset, max_length: int) -> np.ndarray:
         ids = tokens[[i for pair in chunk for i in pair]]["input_ids"]
         for k, (i, _) in enumerate(chunk):
             shared[i] = _common_length(ids[2 * k][:max_length], ids[2 * k + 1][:max_length])
-    if len(dataset) > 1 and opening:  # scored in one row that repeats no other (one always does: sources go back)
+    # The opening stays scored in one row that takes no prefix from another: one always exists, since a row's
+    # source is an earlier turn or a first answer, and following sources ends at a row with none.
+    if len(dataset) > 1 and opening:
         owner = next(i for i in range(len(dataset)) if i not in earlier)
         shared = np.maximum(shared, len(opening))
         shared[owner] = 0
