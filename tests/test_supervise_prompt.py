@@ -94,12 +94,14 @@ def test_eagle3_trains_on_prompt_positions_and_scores_held_out_completions_only(
         run_data(DataConfig(target=str(ws / "target"), prompts=str(prompts), output_dir=str(tmp_path / folder),
                             max_new_tokens=8, batch_size=4, dtype="float32", device="cpu", limit=limit,
                             record_features=True, eagle_aux_layer_ids=LAYERS))
-    scored = []
+    scored, skipped = [], []
     collate = batches.collate
 
     def counting_collate(rows, pad_id, max_length, prompt_positions=False, multiple=1, shared=None):
         out = collate(rows, pad_id, max_length, prompt_positions, multiple, shared)
         scored.append((prompt_positions, out["n_tokens"]))
+        if prompt_positions:  # the trainer passes each row's shared prefix: every row but one skips the opening
+            skipped.append(sorted(shared) if shared is not None else None)
         return out
 
     monkeypatch.setattr(batches, "collate", counting_collate)
@@ -118,3 +120,4 @@ def test_eagle3_trains_on_prompt_positions_and_scores_held_out_completions_only(
     assert len(runs[True]) == len(runs[False]) == 2  # one micro-batch per step, the same rows in the same order
     assert all(a > b for a, b in zip(runs[True], runs[False]))
     assert runs[True, "heldout"] == runs[False, "heldout"] > 0
+    assert skipped and all(shared is not None and shared[-1] > 1 for shared in skipped)  # the chat template's opening

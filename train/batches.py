@@ -247,7 +247,8 @@ def collate(rows: dict, pad_id: int, max_length: int, prompt_positions: bool = F
             if comp:
                 top_ids[b, prompt - 1: prompt - 1 + len(comp)] = torch.tensor(comp)
                 top_logprobs[b, prompt - 1: prompt - 1 + len(comp)] = torch.tensor(rows["top_logprobs"][b][: len(comp)])
-        first = (max(min(shared[b], prompt) - 1, 0) if shared is not None else 0) if prompt_positions else prompt - 1
+        skip = shared[b] if shared is not None else 0  # positions 0 .. skip - 2 are scored in another row
+        first = max(min(skip, prompt) - 1, 0) if prompt_positions else prompt - 1
         loss_mask[b, first: stop] = True
     labels = torch.roll(input_ids, -1, dims=1)  # labels[:, t] = input_ids[:, t + 1]
     out = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask, "labels": labels,
